@@ -1,0 +1,15 @@
+"""hybrid's compiler: the ``hybrid`` torch.compile backend, its options, the explain report and the CLI.
+
+    import torch
+    model = torch.compile(model, backend="hybrid")            # no import of ours needed
+    model = torch.compile(model, backend="hybrid", options={"verify": True, "moe": False})
+
+    import compiler
+    print(compiler.explain(model, input_ids).table())
+"""
+from .backend import hybrid_backend
+from .explain import explain
+from .options import Options
+from .report import Report, collect
+
+__all__ = ["hybrid_backend", "explain", "Options", "Report", "collect"]

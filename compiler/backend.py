@@ -1,0 +1,68 @@
+"""The ``hybrid`` dynamo backend: dynamo's graph -> our passes (fixed order) -> Inductor.
+
+``torch.compile(model, backend="hybrid")`` finds this function through the ``torch_dynamo_backends``
+entry point, so users import nothing of ours.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+from torch import fx
+
+from passes import PassContext, run_pipeline
+
+from .options import Options
+from .report import GraphInfo, publish
+
+log = logging.getLogger("hybrid")
+_graph_ids = itertools.count()
+
+
+def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None,
+                   mode: str | None = None, **unused):
+    """Rewrite MLA / SSM / MoE regions into hybrid ops, then compile the graph with Inductor."""
+    opts = Options.parse(options)
+    import runtime.ops  # noqa: F401  (registers the hybrid:: ops the passes emit)
+
+    graph_id = next(_graph_ids)
+    nodes_before = len(gm.graph.nodes)
+    ctx = PassContext(gm, example_inputs, opts, graph_id=graph_id)
+    if opts.verify:
+        from .verify import Verifier
+        all_regions = [r for kind in ("mla", "ssm", "moe") for r in ctx.regions(kind)]
+        ctx.verifier = Verifier(gm, example_inputs, all_regions)
+    counts = run_pipeline(ctx, opts.passes)
+    gm.recompile()
+    info = GraphInfo(graph_id, nodes_before, len(gm.graph.nodes), _describe_inputs(example_inputs), counts,
+                     "inductor" if opts.inductor else "eager")
+    publish(ctx.results, info)
+    log.info("hybrid: graph %d: %d -> %d nodes, rewritten %s", graph_id, nodes_before, len(gm.graph.nodes), counts)
+    if not opts.inductor:
+        return _inference(gm.forward)
+    from torch._inductor.compile_fx import compile_fx
+    patches = dict(opts.inductor_config)
+    if mode is not None:
+        patches = {**torch._inductor.list_mode_options(mode), **patches}
+    with torch.no_grad():
+        compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+    return _inference(compiled)
+
+
+def _inference(fn):
+    """hybrid compiles for inference: graphs are built and run without autograd (the fused ops have no
+    backward), also when the caller forgot ``torch.no_grad()``."""
+    def run(*args):
+        with torch.no_grad():
+            return fn(*args)
+    if getattr(fn, "_boxed_call", False):
+        run._boxed_call = True  # dynamo then passes one list of inputs; keep the convention
+    return run
+
+
+def _describe_inputs(example_inputs) -> str:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter):
+            return f"{x.dtype}".replace("torch.", "") + str(list(x.shape))
+    return ""

@@ -1,0 +1,27 @@
+"""Small helpers that hide differences between transformers versions (5.17 on the GPU machine, 5.2x here)."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the forward kwarg that takes the cache: ``cache`` (5.2x) or ``past_key_values`` (older)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output):
+    """The cache a forward returned (``.cache`` in 5.2x, ``.past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def quiet_transformers() -> None:
+    """Silence per-call warnings (missing mamba kernels, attention-mask notices) in CLI output."""
+    import transformers
+    transformers.logging.set_verbosity_error()

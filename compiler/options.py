@@ -1,0 +1,48 @@
+"""Options of the hybrid backend, as given to ``torch.compile(model, backend="hybrid", options={...})``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from passes import PASS_NAMES
+
+
+@dataclass
+class Options:
+    #: per-pass switches, e.g. ``{"moe": False}``; also accepted as top-level keys (``options={"moe": False}``)
+    passes: dict[str, bool] = field(default_factory=dict)
+    #: check every rewritten region against the original graph on the example inputs; a region that
+    #: disagrees is left to Inductor and the reason is logged and reported
+    verify: bool = False
+    #: hand the rewritten graph to Inductor (False: run it eagerly, for debugging and for `explain`)
+    inductor: bool = True
+    #: extra Inductor config patches (e.g. ``{"max_autotune": True}``)
+    inductor_config: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, options: dict | None) -> "Options":
+        opts = cls()
+        known = {f.name for f in fields(cls)}
+        for key, value in (options or {}).items():
+            if key in PASS_NAMES:
+                opts.passes[key] = bool(value)
+            elif key == "disable":
+                names = [value] if isinstance(value, str) else list(value)
+                for name in names:
+                    _check_pass(name)
+                    opts.passes[name] = False
+            elif key == "passes":
+                for name, on in dict(value).items():
+                    _check_pass(name)
+                    opts.passes[name] = bool(on)
+            elif key in known:
+                setattr(opts, key, value)
+            else:
+                raise ValueError(
+                    f"unknown hybrid option {key!r}. Known options: {', '.join(sorted(known | {'disable'}))}, "
+                    f"and one switch per pass: {', '.join(PASS_NAMES)} (e.g. options={{'moe': False}})")
+        return opts
+
+
+def _check_pass(name: str) -> None:
+    if name not in PASS_NAMES:
+        raise ValueError(f"unknown hybrid pass {name!r}; passes are: {', '.join(PASS_NAMES)}")

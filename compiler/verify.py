@@ -1,0 +1,75 @@
+"""Verify mode: run the original graph once on the example inputs, remember what every candidate region
+read and produced, and check each planned rewrite against that before it is applied."""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.fx.node import map_arg
+
+from graphs.regions import Region, Rewrite
+
+from .numerics import close
+
+
+def _clone(v):
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+class RegionRecorder(fx.Interpreter):
+    """Interprets the graph; snapshots inputs at a region's first node and outputs after its last."""
+
+    def __init__(self, gm: fx.GraphModule, regions: list[Region]):
+        super().__init__(gm, garbage_collect_values=False)
+        self.first = {r.nodes[0]: r for r in regions}
+        self.last = {r.nodes[-1]: r for r in regions}
+        self.before: dict[str, dict[fx.Node, object]] = {}
+        self.after: dict[str, dict[fx.Node, object]] = {}
+
+    def run_node(self, n: fx.Node):
+        region = self.first.get(n)
+        if region is not None:
+            self.before[region.key] = {i: _clone(self.env[i]) for i in region.inputs if i in self.env}
+        result = super().run_node(n)
+        region = self.last.get(n)
+        if region is not None:
+            self.env[n] = result
+            snap = {o: _clone(self.env[o]) for o in region.outputs if o in self.env}
+            snap.update({m: _clone(self.env[m]) for m in region.mutated_inputs if m in self.env})
+            self.after[region.key] = snap
+        return result
+
+
+class Verifier:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, regions: list[Region]):
+        self.regions = {r.key: r for r in regions}
+        # Parameters are never written; everything else (caches, ids) is cloned so the run has no effect.
+        args = [x if isinstance(x, torch.nn.Parameter) else _clone(x) for x in example_inputs]
+        self.recorder = RegionRecorder(gm, regions)
+        with torch.no_grad():
+            self.recorder.run(*args)
+
+    def check(self, region: Region, rw: Rewrite) -> tuple[bool, str]:
+        before = self.recorder.before.get(region.key)
+        after = self.recorder.after.get(region.key)
+        if before is None or after is None:
+            return False, "region was not reached when running the graph"
+        try:
+            args = map_arg(rw.args, lambda n: _clone(before[n]))
+            kwargs = map_arg(rw.kwargs, lambda n: _clone(before[n]))
+        except KeyError as e:
+            return False, f"op argument {e} is not a region input"
+        with torch.no_grad():
+            result = rw.op(*args, **kwargs)
+        for node, idx in rw.outputs.items():
+            got = result if idx is None else result[idx]
+            ok, msg = close(got, after[node])
+            if not ok:
+                return False, f"output {node.name}: {msg}"
+        flat_args = list(rw.args) + list(rw.kwargs.values())
+        for m in rw.mutates:
+            pos = flat_args.index(m)
+            got = (list(args) + list(kwargs.values()))[pos]
+            ok, msg = close(got, after[m])
+            if not ok:
+                return False, f"written input {m.name}: {msg}"
+        return True, ""

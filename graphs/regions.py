@@ -1,0 +1,257 @@
+"""Regions of a dynamo graph: the nodes one candidate module produced, their inputs and outputs, and the
+surgery that replaces them with one call of a custom op.
+
+A region is anchored on a module id from ``nn_module_stack`` (outermost candidate wins, so an MoE block
+that contains a plain MLP is one region). Its *inputs* are the nodes outside it that it reads (parameters
+arrive as graph inputs), its *outputs* the nodes inside it that something outside reads, and its
+*mutated inputs* the outside tensors it writes in place (cache and state buffers in decode graphs).
+
+:func:`apply_rewrite` keeps the invariants the rest of the stack relies on: the graph stays topologically
+ordered, every new node carries ``meta["val"]``/``meta["example_value"]`` (fake tensors computed with the
+graph's own fake mode) and the region's ``nn_module_stack``, and no region node is left behind.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch.fx.node import map_arg
+
+from .modules import ModuleIndex, classify, node_module_keys
+
+# In-place torch functions / methods that show up in HF graphs when caches are written.
+_INPLACE_METHODS = {"copy_", "index_copy_", "index_put_", "fill_", "zero_", "add_", "mul_", "scatter_",
+                    "masked_fill_", "clamp_", "div_", "sub_"}
+
+
+def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _INPLACE_METHODS
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if isinstance(node.target, torch._ops.OpOverload):
+            return node.target._schema.is_mutable
+        return name.endswith("_") and not name.startswith("_") and name in _INPLACE_METHODS
+    return False
+
+
+def node_value(node: Any) -> Any:
+    """The fake value dynamo/aot recorded for a node (``example_value`` on dynamo graphs, ``val`` later)."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+@dataclass
+class Region:
+    kind: str
+    key: str
+    path: str
+    cls_name: str
+    module: torch.nn.Module
+    nodes: list[fx.Node]
+    _node_set: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self):
+        self._node_set = set(self.nodes)
+
+    def __contains__(self, node: fx.Node) -> bool:
+        return node in self._node_set
+
+    @property
+    def inputs(self) -> list[fx.Node]:
+        seen: dict[fx.Node, None] = {}
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a not in self._node_set:
+                    seen.setdefault(a, None)
+        return list(seen)
+
+    @property
+    def outputs(self) -> list[fx.Node]:
+        return [n for n in self.nodes if any(u not in self._node_set for u in n.users)]
+
+    @property
+    def mutated_inputs(self) -> list[fx.Node]:
+        """Outside tensors written in place by the region (first argument of an in-place op, through views)."""
+        out: dict[fx.Node, None] = {}
+        for n in self.nodes:
+            if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
+                base = view_base(n.args[0])
+                if base not in self._node_set:
+                    out.setdefault(base, None)
+        return list(out)
+
+    def inplace_nodes(self) -> list[fx.Node]:
+        return [n for n in self.nodes if is_inplace(n)]
+
+
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select",
+                 "narrow", "flatten", "unflatten", "t", "contiguous", "view_as", "float", "to"}
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """Follow view-like ops (and getitem slicing) back to the tensor whose storage they alias.
+
+    ``.to``/``.float``/``.contiguous`` only alias when they are no-ops; callers use this to find the buffer an
+    in-place write lands in, where HF only ever writes through true views.
+    """
+    while True:
+        if node.op == "call_method" and node.target in _VIEW_METHODS and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and isinstance(node_value(node.args[0]), torch.Tensor):
+            node = node.args[0]
+        else:
+            return node
+
+
+def find_regions(gm: fx.GraphModule, index: ModuleIndex,
+                 classifier: Callable[[torch.nn.Module | None], str | None] = classify) -> list[Region]:
+    """Group nodes by the outermost module on their stack that the classifier accepts."""
+    kinds: dict[str, str | None] = {}
+    members: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue  # placeholders carry a module stack too, but they are inputs, never region members
+        for key in node_module_keys(node):
+            if key not in kinds:
+                kinds[key] = classifier(index.module(key))
+            if kinds[key]:
+                members.setdefault(key, []).append(node)
+                break
+    regions = []
+    for key, nodes in members.items():
+        rec = index.records[key]
+        regions.append(Region(kinds[key], key, rec.path, getattr(rec.cls, "__name__", str(rec.cls)),
+                              rec.module, nodes))
+    return regions
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewrites
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Rewrite:
+    """What a pass wants a region replaced with: ``op(*args, **kwargs)``.
+
+    ``outputs`` maps each region output node to the index of the op result that replaces it (``None``
+    when the op returns a single tensor). ``mutates`` lists outside nodes the op writes in place (it must
+    declare them in ``mutates_args``); the region's own in-place writes to them disappear with the region.
+    ``extra_nodes`` are nodes outside the region that become dead after the rewrite (e.g. the rest of a
+    sub-region rewrite) and may be erased.
+    """
+    op: Callable
+    args: tuple
+    kwargs: dict
+    outputs: dict[fx.Node, int | None]
+    mutates: list[fx.Node] = field(default_factory=list)
+    note: str = ""
+
+
+class RewriteError(RuntimeError):
+    pass
+
+
+def _fake_mode_of(nodes) -> Any:
+    from torch._guards import detect_fake_mode
+    vals = [node_value(n) for n in nodes if isinstance(n, fx.Node)]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def _fake_call(op, args, kwargs):
+    fargs = map_arg(args, node_value)
+    fkwargs = map_arg(kwargs, node_value)
+    all_nodes = [a for a in list(args) + list(kwargs.values()) if isinstance(a, fx.Node)]
+    mode = _fake_mode_of(all_nodes)
+    if mode is None:
+        raise RewriteError("no fake values on the region inputs; cannot infer the output metadata")
+    with mode:
+        return op(*fargs, **fkwargs)
+
+
+def apply_rewrite(gm: fx.GraphModule, nodes: list[fx.Node], rw: Rewrite, meta_from: fx.Node | None = None) -> fx.Node:
+    """Replace ``nodes`` (a region, in graph order) by ``rw.op``. Returns the call node."""
+    node_set = set(nodes)
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    arg_nodes = [a for a in _flat_nodes(rw.args) + _flat_nodes(rw.kwargs)]
+    for a in arg_nodes:
+        if a in node_set:
+            raise RewriteError(f"op argument {a.name} is computed inside the region it replaces")
+    outside_users = [u for o in rw.outputs for u in o.users if u not in node_set]
+    for o in [n for n in nodes if any(u not in node_set for u in n.users)]:
+        if o not in rw.outputs:
+            raise RewriteError(f"region output {o.name} (used by {[u.name for u in o.users]}) has no replacement")
+    # Insert after the last argument, before the first outside user: both must hold.
+    last_arg = max((order[a] for a in arg_nodes), default=-1)
+    first_user = min((order[u] for u in outside_users), default=len(order))
+    if last_arg >= first_user:
+        raise RewriteError("region is interleaved with the code that consumes it; cannot place one call")
+    anchor = max([n for n in nodes if order[n] < first_user] + [a for a in arg_nodes], key=lambda n: order[n])
+    _check_mutation_order(nodes, node_set, rw, order, order[anchor])
+
+    fake = _fake_call(rw.op, rw.args, rw.kwargs)
+    meta_src = meta_from or nodes[0]
+    with graph.inserting_after(anchor):
+        call = graph.call_function(rw.op, tuple(rw.args), dict(rw.kwargs))
+    _copy_meta(call, meta_src, fake)
+    replacements: dict[fx.Node, fx.Node] = {}
+    cursor = call
+    for out_node, idx in rw.outputs.items():
+        if idx is None:
+            replacements[out_node] = call
+            continue
+        with graph.inserting_after(cursor):
+            item = graph.call_function(operator.getitem, (call, idx))
+        _copy_meta(item, meta_src, fake[idx])
+        replacements[out_node] = item
+        cursor = item
+    for out_node, new in replacements.items():
+        out_node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in node_set)
+    for n in reversed(nodes):
+        if n.users:
+            raise RewriteError(f"region node {n.name} still has users {[u.name for u in n.users]}")
+        graph.erase_node(n)
+    graph.lint()
+    return call
+
+
+def _check_mutation_order(nodes, node_set, rw: Rewrite, order, anchor_pos: int) -> None:
+    """The op writes its mutated inputs at the anchor; outside code that read them before the region's
+    own writes must still run before that point."""
+    for m in rw.mutates:
+        writes = [order[n] for n in nodes if is_inplace(n) and isinstance(n.args[0], fx.Node)
+                  and view_base(n.args[0]) is m]
+        last_write = max(writes, default=anchor_pos)
+        for u in m.users:
+            if u not in node_set and anchor_pos < order[u] < last_write:
+                raise RewriteError(f"{u.name} reads {m.name} between the new call and the region's write")
+
+
+def _copy_meta(new: fx.Node, src: fx.Node, fake_value: Any) -> None:
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in src.meta:
+            new.meta[key] = src.meta[key]
+    new.meta["val"] = fake_value
+    new.meta["example_value"] = fake_value
+
+
+def _flat_nodes(obj) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    map_arg(obj, lambda n: out.append(n) or n)
+    return out
+
+
+def erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> int:
+    """Erase the given nodes when nothing uses them any more (reverse order); returns how many."""
+    erased = 0
+    for n in reversed(candidates):
+        if not getattr(n, "_erased", False) and not n.users and n.op not in ("placeholder", "output"):
+            gm.graph.erase_node(n)
+            erased += 1
+    return erased

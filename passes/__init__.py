@@ -1,0 +1,26 @@
+"""Graph passes, one per file, run in the fixed order of :data:`PIPELINE`."""
+from .base import PassContext, RegionPass, RegionResult, Skip
+from .mla import FuseMLA
+from .moe import FuseMoE
+from .ssm import FuseSSM
+
+#: The one ordered list of passes. Regions of different kinds never overlap, so the order only fixes
+#: the order of the explain report and of graph edits.
+PIPELINE: list[RegionPass] = [FuseMLA(), FuseSSM(), FuseMoE()]
+PASS_NAMES = [p.name for p in PIPELINE]
+
+
+def run_pipeline(ctx: PassContext, enabled: dict[str, bool]) -> dict[str, int]:
+    counts = {}
+    for p in PIPELINE:
+        if enabled.get(p.name, True):
+            counts[p.name] = p.run(ctx)
+        else:
+            for r in ctx.regions(p.kind):
+                ctx.results.append(RegionResult(p.kind, r.path, r.cls_name, "skipped",
+                                                f"pass '{p.name}' disabled by options", ctx.graph_id))
+            counts[p.name] = 0
+    return counts
+
+
+__all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "RegionPass", "RegionResult", "Skip", "run_pipeline"]

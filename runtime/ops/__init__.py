@@ -1,0 +1,1 @@
+"""The ``hybrid::`` op vocabulary. Importing this package registers every op with torch.library."""

@@ -1,0 +1,35 @@
+"""Conventions shared by every ``hybrid::`` op.
+
+Each op lives in its own folder (``moe/``, ``ssm/``, ``mla/``) with:
+  - ``reference.py``: the plain torch implementation: the CPU path and the test oracle;
+  - ``kernels.py``: Triton kernels and their launchers (``*_triton`` functions taking torch tensors);
+  - ``ops.py``: the ``torch.library.triton_op`` definitions. An op body branches on the device: Triton
+    launchers (through ``wrap_triton``) on CUDA, the reference elsewhere. The body doubles as the fake
+    (meta) implementation, so it must not depend on tensor values (no ``.item()``, no ``nonzero``).
+
+Triton on the CPU: tests set ``TRITON_INTERPRET=1`` before importing kernels and call the launchers on
+CPU tensors (bf16 is unreliable in the interpreter: kernels load bf16 and compute in fp32).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+NAMESPACE = "hybrid"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton path for this tensor? CUDA always; CPU only when the interpreter is forced on for
+    op-level tests (``HYBRID_TRITON_ON_CPU=1`` together with ``TRITON_INTERPRET=1``)."""
+    if t.device.type == "cuda":
+        return True
+    return interpreting() and os.environ.get("HYBRID_TRITON_ON_CPU", "0") == "1"
+
+
+def op_name(name: str) -> str:
+    return f"{NAMESPACE}::{name}"

@@ -1,0 +1,95 @@
+"""The backend as users meet it: found by name without imports, options, pass switches, verify mode."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from compiler import Options, collect, zoo
+from compiler.verify import Verifier
+from graphs.regions import Rewrite
+from harness import capture_graphs, prompt
+from passes.base import PassContext, RegionPass
+
+
+def test_backend_found_by_name_without_importing_hybrid():
+    code = textwrap.dedent("""
+        import sys, torch, transformers
+        cfg = transformers.AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=32, intermediate_size=32,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_local_experts=3,
+            num_experts_per_tok=2)
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        ids = torch.randint(0, 64, (1, 5))
+        with torch.no_grad():
+            ref = m(ids).logits
+            out = torch.compile(m, backend="hybrid", options={"inductor": False})(ids).logits
+        assert "compiler.backend" in sys.modules, "entry point did not load hybrid"
+        print("maxdiff", (out - ref).abs().max().item())
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert float(res.stdout.split("maxdiff")[1]) < 1e-5
+
+
+def test_unknown_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown hybrid option 'verfy'.*verify"):
+        Options.parse({"verfy": True})
+    with pytest.raises(ValueError, match="unknown hybrid pass 'mo'"):
+        Options.parse({"disable": ["mo"]})
+    opts = Options.parse({"moe": False, "verify": True, "disable": "ssm"})
+    assert opts.passes == {"moe": False, "ssm": False} and opts.verify
+
+
+def test_disabled_pass_reports_skipped():
+    model = zoo.build("mixtral")
+    ids = prompt(model, 1, 5)
+    torch._dynamo.reset()
+    with collect() as report, torch.no_grad():
+        torch.compile(model.forward, backend="hybrid", options={"moe": False, "inductor": False})(ids)
+    torch._dynamo.reset()
+    regions = report.regions()
+    assert regions and all(r["status"] == "skipped" and "disabled" in r["reason"] for r in regions)
+
+
+@torch.library.custom_op("hybrid_test::wrong_moe", mutates_args=())
+def wrong_moe(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0  # not what an MoE block computes
+
+
+@wrong_moe.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class WrongMoE(RegionPass):
+    kind, name = "moe", "wrong_moe"
+
+    def plan(self, ctx, region):
+        x = next(n for n in region.inputs if n.op != "placeholder" or "layernorm" in n.name)
+        (out,) = region.outputs
+        return Rewrite(torch.ops.hybrid_test.wrong_moe.default, (x,), {}, {out: None})
+
+
+def test_verify_rejects_a_wrong_rewrite_and_keeps_the_graph():
+    model = zoo.build("mixtral")
+    ids = prompt(model, 1, 6)
+    (gm, ex), *_ = capture_graphs(model, ids)
+    expected = gm(*ex)
+    n_nodes = len(gm.graph.nodes)
+    ctx = PassContext(gm, ex, Options(verify=True))
+    ctx.verifier = Verifier(gm, ex, ctx.regions("moe"))
+    assert WrongMoE().run(ctx) == 0
+    assert len(ctx.results) == 2
+    assert all(r.status == "skipped" and r.reason.startswith("verify:") for r in ctx.results)
+    assert len(gm.graph.nodes) == n_nodes
+    torch.testing.assert_close(gm(*ex)[-1], expected[-1])
+
+
+def test_without_verify_the_same_wrong_rewrite_would_apply():
+    """Control for the test above: the wrong rewrite is only caught because verify is on."""
+    model = zoo.build("mixtral")
+    (gm, ex), *_ = capture_graphs(model, prompt(model, 1, 6))
+    ctx = PassContext(gm, ex, Options())
+    assert WrongMoE().run(ctx) == 2
