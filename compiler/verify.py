@@ -27,15 +27,14 @@ class RegionRecorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         region = self.first.get(n)
-        if region is not None:
-            self.before[region.key] = {i: _clone(self.env[i]) for i in region.inputs if i in self.env}
+        if region is not None:  # buffers the region writes: their values before it runs
+            self.before[region.key] = {m: _clone(self.env[m]) for m in region.mutated_inputs}
         result = super().run_node(n)
         region = self.last.get(n)
-        if region is not None:
+        if region is not None:  # everything the region read or computed, as it stands at its end
             self.env[n] = result
-            snap = {o: _clone(self.env[o]) for o in region.outputs if o in self.env}
-            snap.update({m: _clone(self.env[m]) for m in region.mutated_inputs if m in self.env})
-            self.after[region.key] = snap
+            self.after[region.key] = {x: _clone(self.env[x]) for x in region.inputs + region.nodes
+                                      if x in self.env}
         return result
 
 
@@ -53,11 +52,13 @@ class Verifier:
         after = self.recorder.after.get(region.key)
         if before is None or after is None:
             return False, "region was not reached when running the graph"
+        def value(n):
+            return _clone(before[n] if n in before else after[n])
         try:
-            args = map_arg(rw.args, lambda n: _clone(before[n]))
-            kwargs = map_arg(rw.kwargs, lambda n: _clone(before[n]))
+            args = map_arg(rw.args, value)
+            kwargs = map_arg(rw.kwargs, value)
         except KeyError as e:
-            return False, f"op argument {e} is not a region input"
+            return False, f"op argument {e} was not computed by the time the region ended"
         with torch.no_grad():
             result = rw.op(*args, **kwargs)
         for node, idx in rw.outputs.items():

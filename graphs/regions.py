@@ -123,12 +123,31 @@ def find_regions(gm: fx.GraphModule, index: ModuleIndex,
             if kinds[key]:
                 members.setdefault(key, []).append(node)
                 break
+    _adopt_orphans(gm, members)
     regions = []
     for key, nodes in members.items():
         rec = index.records[key]
         regions.append(Region(kinds[key], key, rec.path, getattr(rec.cls, "__name__", str(rec.cls)),
                               rec.module, nodes))
     return regions
+
+
+def _adopt_orphans(gm: fx.GraphModule, members: dict[str, list[fx.Node]]) -> None:
+    """Dynamo leaves some bookkeeping calls without a module stack (e.g. ``_vmap_decrement_nesting`` after
+    a vmap inside a module). A call with no inputs and no users that sits between two nodes of the same
+    region belongs to it: erasing the region must take it along."""
+    owner = {n: key for key, nodes in members.items() for n in nodes}
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    for i, n in enumerate(calls):
+        if n in owner or node_module_keys(n) or n.all_input_nodes or n.users:
+            continue
+        before = next((owner[c] for c in reversed(calls[:i]) if c in owner), None)
+        after = next((owner.get(c) for c in calls[i + 1:] if c in owner or node_module_keys(c)), None)
+        if before is not None and before == after:
+            owner[n] = before
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for key in members:
+        members[key] = sorted((n for n, k in owner.items() if k == key), key=order.__getitem__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,8 +161,7 @@ class Rewrite:
     ``outputs`` maps each region output node to the index of the op result that replaces it (``None``
     when the op returns a single tensor). ``mutates`` lists outside nodes the op writes in place (it must
     declare them in ``mutates_args``); the region's own in-place writes to them disappear with the region.
-    ``extra_nodes`` are nodes outside the region that become dead after the rewrite (e.g. the rest of a
-    sub-region rewrite) and may be erased.
+    ``nodes`` narrows the rewrite to part of the region (e.g. an MoE block minus its shared expert).
     """
     op: Callable
     args: tuple
@@ -151,6 +169,8 @@ class Rewrite:
     outputs: dict[fx.Node, int | None]
     mutates: list[fx.Node] = field(default_factory=list)
     note: str = ""
+    #: the nodes to replace when only part of the region is rewritten (default: the whole region)
+    nodes: list[fx.Node] | None = None
 
 
 class RewriteError(RuntimeError):
@@ -158,9 +178,13 @@ class RewriteError(RuntimeError):
 
 
 def _fake_mode_of(nodes) -> Any:
-    from torch._guards import detect_fake_mode
-    vals = [node_value(n) for n in nodes if isinstance(n, fx.Node)]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    """The fake mode the graph's own values live in (not the ambient tracing context's, which can differ
+    when a backend runs)."""
+    for n in nodes:
+        mode = getattr(node_value(n), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
 
 
 def _fake_call(op, args, kwargs):

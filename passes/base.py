@@ -8,6 +8,7 @@ per region for the explain report. A region the pass cannot prove is left to Ind
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,21 @@ from graphs.regions import Region, Rewrite, RewriteError, apply_rewrite, find_re
 log = logging.getLogger("hybrid")
 
 REWRITTEN, DETECTED, SKIPPED = "rewritten", "detected", "skipped"
+
+
+@contextlib.contextmanager
+def eager_probe():
+    """Run live modules eagerly from inside the backend (no grad, and not "compiling": HF picks its
+    tracing-only code paths, e.g. vmap-based scans, when ``torch.compiler.is_compiling()`` is true)."""
+    flag = getattr(torch.compiler, "_is_compiling_flag", None)
+    if flag is not None:
+        torch.compiler._is_compiling_flag = False
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if flag is not None:
+            torch.compiler._is_compiling_flag = flag
 
 
 class Skip(Exception):
@@ -46,11 +62,26 @@ class PassContext:
     graph_id: int = 0
     results: list[RegionResult] = field(default_factory=list)
     verifier: Any = None
+    #: set by a pass that changed what dynamo should trace (e.g. the model's experts implementation):
+    #: the backend then drops dynamo's compiled code once, when this graph first runs
+    retrace: bool = False
 
     def __post_init__(self):
         self.index = ModuleIndex(self.gm)
         self._params = param_placeholders(self.gm, self.example_inputs)
         self._regions: list[Region] | None = None
+
+    @property
+    def weight_nodes(self) -> set[fx.Node]:
+        """Graph inputs that carry a parameter or buffer of a module in this graph (not caches or ids)."""
+        if not hasattr(self, "_weight_nodes"):
+            ids = set()
+            for rec in self.index:
+                if rec.module is not None:
+                    ids.update(id(t) for t in rec.module.parameters())
+                    ids.update(id(t) for t in rec.module.buffers())
+            self._weight_nodes = {n for i, n in self._params.items() if i in ids}
+        return self._weight_nodes
 
     def regions(self, kind: str) -> list[Region]:
         if self._regions is None:
@@ -73,6 +104,10 @@ class RegionPass:
         module's forward (a graph break inside it)."""
         return []
 
+    def on_incomplete(self, region: Region) -> str:
+        """Called when a graph break splits the region; may act and returns extra text for the reason."""
+        return ""
+
     def plan(self, ctx: PassContext, region: Region) -> Rewrite:
         raise Skip(self.todo or "no rewrite")
 
@@ -93,7 +128,7 @@ class RegionPass:
                    if ctx.param_node(p) is None or ctx.param_node(p) not in region_inputs]
         if missing:
             return SKIPPED, (f"only part of the module's forward is in this graph (it does not read "
-                             f"{', '.join(missing)}): a graph break splits it"), {}
+                             f"{', '.join(missing)}): a graph break splits it" + self.on_incomplete(region)), {}
         if self.todo is not None:
             return DETECTED, self.todo, {}
         try:
@@ -106,7 +141,7 @@ class RegionPass:
                 log.warning("hybrid: verify rejected %s %s: %s", self.kind, region.path, msg)
                 return SKIPPED, f"verify: rewritten region disagrees with eager ({msg}); left to Inductor", {}
         try:
-            apply_rewrite(ctx.gm, region.nodes, rw)
+            apply_rewrite(ctx.gm, rw.nodes or region.nodes, rw)
         except RewriteError as e:
             return SKIPPED, f"graph surgery failed: {e}", {}
         return REWRITTEN, rw.note, {}

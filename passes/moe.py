@@ -1,18 +1,268 @@
-"""MoE pass: finds mixture-of-experts blocks (a router weight [E, H] beside experts with 3-D weights)."""
+"""MoE pass: a whole HF mixture-of-experts block -> one ``hybrid::moe_block`` call.
+
+Found by what it holds (a router weight [E, H], experts with 3-D weights), whatever the class names and
+whatever ``config._experts_implementation`` is (grouped_mm, batched_mm: the block is replaced whole, so
+the experts implementation inside does not matter; eager breaks the graph: see :mod:`passes.moe_eager`).
+
+Nothing is taken on trust: the routing variant and the activation are identified by running the live
+router / activation on probe inputs and comparing with our reference, and the block as a whole (routed
+experts + shared expert, optionally sigmoid-gated) is checked against the eager block on a probe batch.
+A block that matches none of the known forms is left to Inductor with the reason.
+"""
 from __future__ import annotations
 
-from graphs.modules import MOE, experts_weights, moe_parts
+import itertools
+from dataclasses import dataclass
 
-from .base import RegionPass
+import torch
+from torch import fx
+
+from compiler.numerics import close
+from graphs.modules import MOE, experts_weights, moe_parts, node_module_keys
+from graphs.regions import Region, Rewrite, node_value
+
+from .base import PassContext, RegionPass, Skip, eager_probe
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    method: str
+    top_k: int
+    renormalize: bool
+    scale: float
+    n_group: int
+    topk_group: int
+    router_fp32: bool
+
+    def kwargs(self) -> dict:
+        return dict(method=self.method, top_k=self.top_k, renormalize=self.renormalize, scale=self.scale,
+                    n_group=self.n_group, topk_group=self.topk_group)
+
+
+def _probe_input(w: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, w.shape[1], generator=g, dtype=torch.float32).to(w.device)
+    logits = x @ w.float().t()
+    x = x * (2.0 / logits.std().clamp_min(1e-6))  # spread the logits: no near-ties in top-k
+    return x.to(w.dtype)
+
+
+def _router_outputs(outs, tokens: int, num_experts: int):
+    """(weights [T,k], ids [T,k]) among whatever the router returns."""
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    ids = [o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point() and o.dim() == 2]
+    ws = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point() and o.dim() == 2
+          and o.shape[1] != num_experts]
+    if len(ids) != 1 or len(ws) != 1 or ids[0].shape != ws[0].shape or ids[0].shape[0] != tokens:
+        raise Skip("router does not return (weights [T, k], ids [T, k]); routing variant unknown")
+    return ws[0], ids[0]
+
+
+def _same_routing(w, ids, ref_w, ref_ids, dtype) -> bool:
+    order, ref_order = ids.long().sort(-1), ref_ids.long().sort(-1)
+    if not torch.equal(order.values, ref_order.values):
+        return False
+    w = w.float().gather(1, order.indices)
+    ref_w = ref_w.float().gather(1, ref_order.indices)
+    return close(w, ref_w, dtype, tol=1e-5 if dtype == torch.float32 else 2e-2)[0]
+
+
+def _candidates(router, bias, num_experts: int, top_k: int) -> list[RouteSpec]:
+    scales = sorted({float(getattr(router, "routed_scaling_factor", 1.0) or 1.0), 1.0}, reverse=True)
+    n_group = int(getattr(router, "n_group", None) or getattr(router, "num_group", None) or 1)
+    topk_group = int(getattr(router, "topk_group", None) or 1)
+    out = []
+    for method, renorm, scale, fp32 in itertools.product(METHODS, (False, True), scales, (True, False)):
+        grouped = "group" in method
+        if grouped and (n_group <= 1 or num_experts % n_group):
+            continue
+        if "sigmoid" in method and bias is None:
+            continue
+        out.append(RouteSpec(method, top_k, renorm, scale, n_group if grouped else 1, topk_group if grouped else 1,
+                             fp32))
+    return out
+
+
+def identify_routing(router: torch.nn.Module, bias: torch.Tensor | None, num_experts: int,
+                     top_k: int | None) -> list[RouteSpec]:
+    """The routing variants this router may compute, most likely first.
+
+    When the router returns (weights, ids) they are compared with our reference on probe inputs and only
+    the matching variant is returned; when it returns bare logits (routing done in the block's own code),
+    every candidate is returned and the whole-block check decides.
+    """
+    from runtime.ops.moe import reference
+    w = router.weight
+    x = _probe_input(w, 48, seed=1234)
+    with eager_probe():
+        outs = router(x)
+    try:
+        weights, ids = _router_outputs(outs, 48, num_experts)
+    except Skip:
+        if top_k is None:
+            raise Skip("router returns no top-k and the block declares no top_k; routing variant unknown")
+        return _candidates(router, bias, num_experts, top_k)
+    for spec in _candidates(router, bias, num_experts, ids.shape[1]):
+        logits = reference.router_logits(x, w, spec.router_fp32)
+        try:
+            ref_w, ref_ids = reference.route(logits, bias.float() if "sigmoid" in spec.method else None,
+                                             **spec.kwargs())
+        except (ValueError, RuntimeError):
+            continue
+        if _same_routing(weights, ids, ref_w, ref_ids, w.dtype):
+            return [spec]
+    raise Skip("router matches none of the known routing variants (softmax->top-k, top-k->softmax, "
+               "sigmoid+bias group-limited, softmax group-limited)")
+
+
+def identify_activation(act: torch.nn.Module | None) -> str:
+    from runtime.ops.moe import reference
+    if act is None:
+        raise Skip("experts module has no act_fn")
+    t = torch.linspace(-6, 6, 97)
+    with eager_probe():
+        got = act(t)
+    for name in ACTIVATIONS:
+        if torch.allclose(got, reference.activation_fn(name)(t), atol=1e-6, rtol=1e-5):
+            return name
+    raise Skip(f"expert activation {type(act).__name__} is not one of {', '.join(ACTIVATIONS)}")
 
 
 class FuseMoE(RegionPass):
     kind = MOE
     name = "moe"
-    todo = "found; the fused MoE rewrite is not implemented yet"
+
+    def run(self, ctx: PassContext) -> int:
+        from .moe_eager import adopt_eager_experts
+        adopt_eager_experts(ctx)
+        return super().run(ctx)
 
     def required_params(self, module):
         router, experts = moe_parts(module)
         params = [(f"{router}.weight", getattr(module, router).weight)]
         params += [(f"{experts}.{n}", p) for n, p in experts_weights(getattr(module, experts)).items()]
         return params
+
+    def plan(self, ctx: PassContext, region: Region) -> Rewrite:
+        block = region.module
+        router_name, experts_name = moe_parts(block)
+        router, experts = getattr(block, router_name), getattr(block, experts_name)
+        for flag, why in (("has_bias", "expert biases"), ("is_transposed", "transposed expert weights"),
+                          ("has_post_expert_norm", "a post-expert norm"), ("_is_expert_parallel", "expert parallel")):
+            if getattr(experts, flag, False):
+                raise Skip(f"experts with {why} are not supported by hybrid::moe yet")
+        weights = experts_weights(experts)
+        gated = "gate_up_proj" in weights
+        w13 = weights["gate_up_proj" if gated else "up_proj"]
+        num_experts = w13.shape[0]
+        bias = getattr(router, "e_score_correction_bias", None)
+        top_k = getattr(block, "top_k", None) or getattr(router, "top_k", None)
+        specs = identify_routing(router, bias, num_experts, top_k)
+        activation = identify_activation(getattr(experts, "act_fn", None))
+        interleaved = not getattr(experts, "is_concatenated", True)
+        shared_mlp, shared_gate = self._shared_children(block, router_name, experts_name)
+
+        # Graph side: the shared expert (and its gate) stay in the graph; their outputs feed the op.
+        keep = self._kept_nodes(region, [c for c in (shared_mlp, shared_gate) if c is not None])
+        nodes = [n for n in region.nodes if n not in keep]
+        sub = Region(region.kind, region.key, region.path, region.cls_name, block, nodes)
+        outputs = sub.outputs
+        if len(outputs) != 1:
+            raise Skip(f"the block has {len(outputs)} outputs used outside it (router logits requested, "
+                       "e.g. output_router_logits=True); only the block output can be replaced")
+        shared_nodes = [self._child_output(region, keep, c) if c is not None else None
+                        for c in (shared_mlp, shared_gate)]
+        x = self._activation_input(ctx, region, exclude=set(shared_nodes))  # the block input, unreshaped
+        spec = self._check_block(block, specs, activation, gated, interleaved, bias, router, w13,
+                                 weights["down_proj"], shared_mlp, shared_gate)
+
+        params = [ctx.param_node(t) for t in (router.weight, w13, weights["down_proj"])]
+        bias_node = ctx.param_node(bias) if bias is not None and "sigmoid" in spec.method else None
+        if bias is not None and "sigmoid" in spec.method and bias_node is None:
+            raise Skip("score-correction bias is not an input of this graph")
+        from runtime.ops.moe.block import moe_block  # noqa: F401  (registers hybrid::moe_block)
+        args = (x, params[0], bias_node, params[1], params[2], *shared_nodes, spec.method, spec.top_k,
+                spec.renormalize, spec.scale, spec.n_group, spec.topk_group, gated, interleaved, activation,
+                spec.router_fp32)
+        note = (f"{spec.method}, top-{spec.top_k}{', renormalised' if spec.renormalize else ''}"
+                f"{f', x{spec.scale:g}' if spec.scale != 1 else ''}, {activation}"
+                f"{', shared expert' if shared_mlp is not None else ''}"
+                f"{' (sigmoid-gated)' if shared_gate is not None else ''}")
+        return Rewrite(torch.ops.hybrid.moe_block.default, args, {}, {outputs[0]: None}, note=note, nodes=nodes)
+
+    # -- pieces -------------------------------------------------------------------------------------
+    @staticmethod
+    def _shared_children(block, router_name, experts_name):
+        others = [(n, c) for n, c in block.named_children()
+                  if n not in (router_name, experts_name) and any(True for _ in c.parameters())]
+        if not others:
+            return None, None
+        gates = [c for _, c in others if isinstance(c, torch.nn.Linear) and c.out_features == 1]
+        mlps = [c for _, c in others if not (isinstance(c, torch.nn.Linear) and c.out_features == 1)]
+        if len(mlps) == 1 and len(gates) <= 1:
+            return mlps[0], (gates[0] if gates else None)
+        raise Skip(f"block children {[n for n, _ in others]} besides router and experts: unknown combination")
+
+    @staticmethod
+    def _kept_nodes(region: Region, children) -> set[fx.Node]:
+        keys = {str(id(c)) for c in children}
+        keep = {n for n in region.nodes if keys & set(node_module_keys(n))}
+        stack = list(keep)
+        while stack:  # their inputs computed inside the block (e.g. a reshape of x) stay as well
+            for a in stack.pop().all_input_nodes:
+                if a in region and a not in keep:
+                    keep.add(a)
+                    stack.append(a)
+        return keep
+
+    @staticmethod
+    def _child_output(region: Region, keep: set, child) -> fx.Node:
+        key = str(id(child))
+        mine = [n for n in keep if key in node_module_keys(n)]
+        outs = [n for n in mine if any(key not in node_module_keys(u) for u in n.users)]
+        if len(outs) != 1:
+            raise Skip("cannot find the single output of the shared expert in the graph")
+        return outs[0]
+
+    @staticmethod
+    def _activation_input(ctx: PassContext, sub: Region, exclude: set) -> fx.Node:
+        params = ctx.weight_nodes
+        acts = [n for n in sub.inputs if n not in params and n not in exclude
+                and isinstance(node_value(n), torch.Tensor)]
+        if len(acts) != 1:
+            raise Skip(f"expected one activation input to the block, found {len(acts)}")
+        return acts[0]
+
+    @staticmethod
+    def _check_block(block, specs, activation, gated, interleaved, bias, router, w13, w2, shared_mlp,
+                     shared_gate) -> RouteSpec:
+        """The eager block on a probe batch must equal our reference composition of the parts."""
+        from runtime.ops.moe import reference
+        x = _probe_input(router.weight, 12, seed=4321).to(w13.dtype).view(1, 12, -1)
+        flat = x.view(12, -1)
+        with eager_probe():
+            expected = block(x)
+            expected = expected[0] if isinstance(expected, tuple) else expected
+            shared = None
+            if shared_mlp is not None:
+                shared = shared_mlp(flat)
+                if shared_gate is not None:
+                    shared = torch.sigmoid(shared_gate(flat)) * shared
+            msg = ""
+            for spec in specs:
+                ours = reference.moe(flat, router.weight, bias if "sigmoid" in spec.method else None, w13, w2,
+                                     **spec.kwargs(), gated=gated, interleaved=interleaved, activation=activation,
+                                     router_fp32=spec.router_fp32)
+                if shared is not None:
+                    ours = ours + shared
+                ok, msg = close(ours.view_as(expected), expected, w13.dtype,
+                                tol=1e-4 if w13.dtype == torch.float32 else 3e-2)
+                if ok:
+                    return spec
+        if len(specs) > 1:
+            raise Skip("block output matches none of the known routing variants with routed experts "
+                       "(+ shared expert)")
+        raise Skip(f"block output is not routed experts (+ shared expert) as understood: {msg}")

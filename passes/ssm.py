@@ -1,15 +1,162 @@
-"""SSM pass: finds Mamba1 mixers (A_log [D, N]) and Mamba2/SSD mixers (A_log [H], dt_bias, gated norm)."""
+"""SSM pass: a whole Mamba1 mixer (A_log [D, N]) or Mamba2/SSD mixer (A_log [H], dt_bias, gated norm) ->
+one ``hybrid::mamba(2)_mixer`` call (prefill) or ``hybrid::mamba(2)_mixer_step`` call (decode).
+
+Drop-in mode keeps HF's cache semantics. The three graph shapes HF produces are recognised from the
+region's boundary, not from HF's code:
+  - no cache: hidden in, output out;
+  - prefill into a fresh cache: two fresh state tensors leave the region (conv state [B, C, K], ssm state);
+  - decode (T=1): the cache's conv and ssm states come in and are written in place.
+Anything else (e.g. a prefill that continues from a cached state) is left to Inductor with the reason.
+The mixer's math (projection split order, activation, D skip, gating, dt/B/C norms, gated RMSNorm) is not
+assumed: the live mixer is run on a probe batch and compared with the op before anything is rewritten.
+"""
 from __future__ import annotations
 
-from graphs.modules import SSM
+import torch
+from torch import fx
 
-from .base import RegionPass
+from compiler.numerics import close
+from graphs.modules import SSM, is_mamba1_mixer, mamba2_dims
+from graphs.regions import Region, Rewrite, node_value
+
+from .base import PassContext, RegionPass, Skip, eager_probe
+
+
+def _shape(n: fx.Node) -> tuple:
+    v = node_value(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
 
 class FuseSSM(RegionPass):
     kind = SSM
     name = "ssm"
-    todo = "found; the fused SSM rewrite is not implemented yet"
 
     def required_params(self, module):
         return [("in_proj.weight", module.in_proj.weight), ("out_proj.weight", module.out_proj.weight)]
+
+    def plan(self, ctx: PassContext, region: Region) -> Rewrite:
+        m = region.module
+        if getattr(m, "activation", "silu") != "silu":
+            raise Skip(f"conv activation {m.activation!r} is not silu")
+        mamba2 = mamba2_dims(m)
+        params = ctx.weight_nodes
+        acts = [n for n in region.inputs if n not in params and isinstance(node_value(n), torch.Tensor)]
+        hidden = [n for n in acts if node_value(n).dim() == 3 and _shape(n)[-1] == m.in_proj.in_features
+                  and n not in region.mutated_inputs]
+        masks = [n for n in acts if node_value(n).dim() == 2 and n not in hidden]
+        written = region.mutated_inputs
+        if len(hidden) != 1 or len(acts) != 1 + len(masks) + len(written) or len(masks) > 1:
+            raise Skip(f"unexpected mixer inputs {[(n.name, tuple(node_value(n).shape)) for n in acts]} (hidden {len(hidden)}, masks {len(masks)}, written {len(written)})")
+        hidden, mask = hidden[0], (masks[0] if masks else None)
+        if any(not isinstance(node_value(o), torch.Tensor) for o in region.outputs):
+            raise Skip("the region exports non-tensor values (sizes) to the rest of the graph")
+        main = [o for o in region.outputs if _shape(o) == _shape(hidden)]
+        if len(main) != 1:
+            raise Skip("cannot tell the mixer output among the region outputs")
+        main = main[0]
+        fresh = [o for o in region.outputs if o is not main]
+        self._check_probe(m, mamba2)
+        weights = self._weights(ctx, m, mamba2)
+        kernel = m.conv1d.weight.shape[-1]
+
+        if written:  # decode: states come in and are written in place
+            if _shape(hidden)[1] != 1 or len(written) != 2 or fresh:
+                raise Skip("a prefill that continues from a cached state is not rewritten in drop-in mode")
+            conv, ssm = self._split_states(written, kernel, mamba2)
+            op = torch.ops.hybrid.mamba2_mixer_step.default if mamba2 else torch.ops.hybrid.mamba_mixer_step.default
+            args = (hidden, mask, *weights["step"], conv, ssm)
+            return Rewrite(op, args, {}, {main: None}, mutates=[conv, ssm], note=self._note(m, mamba2, "decode"))
+
+        outputs = {main: 0}
+        width = kernel
+        if fresh:  # prefill into a fresh cache: the region creates the states HF keeps
+            if len(fresh) != 2:
+                raise Skip(f"{len(fresh)} extra outputs leave the mixer; expected the conv and ssm states")
+            conv, ssm = self._split_states(fresh, kernel, mamba2)
+            width = _shape(conv)[-1]
+            if node_value(ssm).dtype != torch.float32:
+                raise Skip(f"HF keeps the ssm state in {node_value(ssm).dtype}; hybrid produces fp32")
+            outputs.update({conv: 1, ssm: 2})
+        op = torch.ops.hybrid.mamba2_mixer.default if mamba2 else torch.ops.hybrid.mamba_mixer.default
+        args = (hidden, mask, *weights["prefill"], width)
+        return Rewrite(op, args, {}, outputs, note=self._note(m, mamba2, "prefill"))
+
+    # -- pieces -------------------------------------------------------------------------------------
+    @staticmethod
+    def _note(m, mamba2, phase):
+        if mamba2:
+            return f"mamba2/SSD mixer ({phase}): {mamba2['heads']} heads x {mamba2['head_dim']}, state {mamba2['state']}"
+        norms = " + dt/B/C norms" if getattr(m, "dt_layernorm", None) is not None else ""
+        return f"mamba1 mixer ({phase}): d_inner {m.A_log.shape[0]}, state {m.A_log.shape[1]}{norms}"
+
+    @staticmethod
+    def _split_states(nodes: list[fx.Node], kernel: int, mamba2) -> tuple[fx.Node, fx.Node]:
+        """(conv state, ssm state): the conv state is [B, C, W>=K-1] and is read by a cat/conv; the ssm
+        state is [B, D, N] (Mamba1) or [B, H, P, N] (Mamba2)."""
+        if mamba2:
+            conv = [n for n in nodes if node_value(n).dim() == 3]
+            ssm = [n for n in nodes if node_value(n).dim() == 4]
+        else:
+            conv = [n for n in nodes if _shape(n)[-1] in (kernel, kernel - 1)]
+            ssm = [n for n in nodes if n not in conv]
+            if len(conv) != 1:
+                conv = [n for n in nodes if any(u.target is torch.cat for u in n.users)]
+                ssm = [n for n in nodes if n not in conv]
+        if len(conv) != 1 or len(ssm) != 1:
+            raise Skip("cannot tell the conv state from the ssm state")
+        return conv[0], ssm[0]
+
+    @staticmethod
+    def _weights(ctx: PassContext, m, mamba2) -> dict[str, tuple]:
+        def p(t, name, optional=False):
+            if t is None:
+                return None
+            node = ctx.param_node(t)
+            if node is None and not optional:
+                raise Skip(f"{name} is not an input of this graph")
+            return node
+        common = (p(m.in_proj.weight, "in_proj.weight"), p(m.in_proj.bias, "in_proj.bias"),
+                  p(m.conv1d.weight, "conv1d.weight"), p(m.conv1d.bias, "conv1d.bias"))
+        if mamba2:
+            core = (*common, p(m.dt_bias, "dt_bias"), p(m.A_log, "A_log"), p(m.D, "D"), p(m.norm.weight, "norm"),
+                    p(m.out_proj.weight, "out_proj.weight"), p(m.out_proj.bias, "out_proj.bias"),
+                    mamba2["head_dim"], mamba2["groups"])
+            eps = float(m.norm.variance_epsilon)
+            group = int(getattr(m.norm, "group_size", mamba2["d_inner"]))
+            lo, hi = (float(v) for v in getattr(m, "time_step_limit", (0.0, float("inf"))))
+            return {"prefill": (*core, int(m.chunk_size), eps, group, lo, hi), "step": (*core, eps, group)}
+        norms = [getattr(m, f"{k}_layernorm", None) for k in ("dt", "b", "c")]
+        eps = float(norms[0].variance_epsilon) if norms[0] is not None else 1e-6
+        core = (*common, p(m.x_proj.weight, "x_proj.weight"), p(m.dt_proj.weight, "dt_proj.weight"),
+                p(m.dt_proj.bias, "dt_proj.bias"), p(m.A_log, "A_log"), p(m.D, "D"),
+                p(m.out_proj.weight, "out_proj.weight"), p(m.out_proj.bias, "out_proj.bias"),
+                *[p(n.weight, "norm") if n is not None else None for n in norms], eps)
+        return {"prefill": core, "step": core}
+
+    @staticmethod
+    def _check_probe(m, mamba2) -> None:
+        """The live mixer (no cache) on a probe batch must equal the op: proves the math, not the cache."""
+        w = m.in_proj.weight
+        g = torch.Generator(device="cpu").manual_seed(77)
+        x = torch.randn(2, 7, w.shape[1], generator=g).to(w.device, w.dtype)
+        with eager_probe():
+            expected = m(x)
+            expected = expected[0] if isinstance(expected, tuple) else expected
+            if mamba2:
+                lo, hi = (float(v) for v in getattr(m, "time_step_limit", (0.0, float("inf"))))
+                got = torch.ops.hybrid.mamba2_mixer(
+                    x, None, w, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D,
+                    m.norm.weight, m.out_proj.weight, m.out_proj.bias, mamba2["head_dim"], mamba2["groups"],
+                    int(m.chunk_size), float(m.norm.variance_epsilon),
+                    int(getattr(m.norm, "group_size", mamba2["d_inner"])), lo, hi, m.conv1d.weight.shape[-1])[0]
+            else:
+                norms = [getattr(m, f"{k}_layernorm", None) for k in ("dt", "b", "c")]
+                got = torch.ops.hybrid.mamba_mixer(
+                    x, None, w, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight, m.dt_proj.weight,
+                    m.dt_proj.bias, m.A_log, m.D, m.out_proj.weight, m.out_proj.bias,
+                    *[n.weight if n is not None else None for n in norms],
+                    float(norms[0].variance_epsilon) if norms[0] is not None else 1e-6,
+                    m.conv1d.weight.shape[-1])[0]
+        ok, msg = close(got, expected, w.dtype, tol=1e-4 if w.dtype == torch.float32 else 3e-2)
+        if not ok:
+            raise Skip(f"mixer math differs from hybrid's {'mamba2' if mamba2 else 'mamba'} mixer: {msg}")

@@ -83,3 +83,26 @@ def capture_graphs(model, *args, generate_tokens: int = 0, **kwargs) -> list[tup
             compiled(*args, **kwargs)
     torch._dynamo.reset()
     return graphs
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor an HF cache object holds, in a deterministic order (for drop-in cache comparisons)."""
+    out: list[torch.Tensor] = []
+
+    def walk(obj, depth=0):
+        if depth > 4:
+            return
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k], depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            for k in sorted(vars(obj)):
+                walk(vars(obj)[k], depth + 1)
+
+    walk(cache)
+    return out

@@ -1,0 +1,457 @@
+"""Absorbed MLA attention: our Triton decode / prefill over the paged latent cache vs Hugging Face's path
+(re-expand the whole cached latent through kv_b_proj, then SDPA), measured in the same run.
+
+    python bench/mla.py --out bench/results/mla.json     # GPU (one H200), bf16: tune + full table, < 5 minutes
+    python bench/mla.py --smoke                          # tiny shapes, CPU (interpreter) or GPU, seconds
+    python bench/mla.py --no-tune                        # skip the config sweep, use runtime CONFIGS as is
+    python bench/mla.py --compile-check                  # no GPU needed: compile for sm_90, print regs/spills/smem
+
+Shapes: L = kv_lora_rank 512, R = rope 64 (cache row 576), P = V = 128, block_size 64, heads 16 (V2-Lite) and
+128 (V3). Decode: every sequence holds S cached tokens; ours = stage 1 + merge (split-KV chosen from shapes).
+bytes = B*S*576*2 (latent + rope read) + q + out; flops = 2*B*H*S*(L+R) + 2*B*H*S*L;
+roofline = max(bytes / 4.3e12, flops / 790e12). HF = F.linear(latent, kv_b) + key assembly (new_empty + two
+copy_) + SDPA, exactly DeepseekV2Attention's decode work. Timing: triton.testing.do_bench median (L2 flushed
+between calls), replaying a CUDA graph of the call. Correctness is checked before timing: ours vs the fp32
+absorbed reference (first sequences) and, in the V space (o_lat @ W_UV^T), vs HF's output.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available() and "--compile-check" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit module is imported
+if "--compile-check" in sys.argv:
+    os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+
+from runtime.ops.mla import kernels, reference as ref  # noqa: E402
+from runtime.ops.mla.cache import _mla_cache_write_kernel  # noqa: E402
+
+HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
+FULL = dict(L=512, R=64, P=128, V=128, block=64, heads=[16, 128], batches=[1, 8, 32, 64, 128],
+            lens=[1024, 4096, 16384], prefill=[1024, 4096, 8192], tune_shape=(64, 4096))
+SMOKE = dict(L=32, R=8, P=16, V=16, block=16, heads=[3], batches=[1, 3], lens=[40, 130], prefill=[40],
+             tune_shape=(2, 64))
+HF_MAX_BYTES = 40e9          # skip HF's expansion when its intermediates would exceed this
+CACHE_MAX_BYTES = 30e9       # skip decode combinations whose latent cache would exceed this
+TUNE = {  # (block_h, block_n, num_warps, num_stages); the first of each list is the shipped default
+    "decode_small_h": [(16, 64, 8, 2), (16, 32, 8, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 16, 8, 2), (16, 64, 8, 3)],
+    "decode_large_h": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2),
+                       (16, 64, 8, 2)],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[mla-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _graph(fn):
+    """Capture fn in a CUDA graph (warm-up on a side stream first); None if capture fails."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return g
+    except Exception:  # noqa: BLE001 - a capture failure only means "time it without a graph"
+        torch.cuda.synchronize()
+        return None
+
+
+def time_ms(fn, graph: bool = True) -> tuple[float, bool]:
+    if not torch.cuda.is_available():  # smoke on the CPU: one warm-up, one timed call
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3, False
+    g = _graph(fn) if graph else None
+    ms = triton.testing.do_bench(g.replay if g is not None else fn, warmup=25, rep=100, return_mode="median")
+    del g
+    return ms, g is not None
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def make_paged(B: int, S: int, sh: dict, dev, dtype, seed: int = 0):
+    """Random latent cache, S tokens per sequence, blocks shuffled across sequences."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nblk = B * triton.cdiv(S, sh["block"])
+    cache = torch.randn(nblk + 1, sh["block"], sh["L"] + sh["R"], device=dev, dtype=dtype, generator=g)
+    perm = torch.randperm(nblk, device=dev, generator=g).int()
+    bt = perm.view(B, -1).contiguous()
+    seq = torch.full((B,), S, device=dev, dtype=torch.int32)
+    return cache, bt, seq
+
+
+def dense_from_paged(cache, bt, S: int, sh: dict):
+    """HF's DynamicCache layout of the same tokens: latent [B, S, L], k_rope [B, S, R] (contiguous)."""
+    B = bt.shape[0]
+    rows = cache[bt.long()].reshape(B, -1, cache.shape[-1])[:, :S]
+    return rows[..., :sh["L"]].contiguous(), rows[..., sh["L"]:].contiguous()
+
+
+def hf_expand_attend(q_nope, q_rope, latent, k_rope, w_kvb, sh, scale, is_causal=False):
+    """DeepseekV2Attention.expand_kv + sdpa_attention_forward for q [B, H, T, *], latent [B, S, L]."""
+    B, H, T, _ = q_nope.shape
+    S, P, V = latent.shape[1], sh["P"], sh["V"]
+    kv = torch.nn.functional.linear(latent, w_kvb).view(B, S, H, P + V).transpose(1, 2)
+    k_nope, value = torch.split(kv, [P, V], dim=-1)
+    key = kv.new_empty(B, H, S, P + sh["R"])
+    key[..., :P].copy_(k_nope)
+    key[..., P:].copy_(k_rope[:, None].expand(B, H, S, -1))
+    query = torch.cat([q_nope, q_rope], dim=-1)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale, is_causal=is_causal)
+
+
+def err(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------------ decode
+def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
+    L, R, P, V = sh["L"], sh["R"], sh["P"], sh["V"]
+    scale = (P + R) ** -0.5
+    nbytes = B * S * (L + R) * 2 + B * H * (L + R) * 2 + B * H * L * 2
+    flops = 2 * B * H * S * (L + R) + 2 * B * H * S * L
+    floor_ms = max(nbytes / HBM_BPS, flops / PEAK_FLOPS) * 1e3
+    row = dict(kind="decode", H=H, S=S, B=B, bytes=nbytes, flops=flops, roofline_ms=floor_ms,
+               bound="memory" if nbytes / HBM_BPS > flops / PEAK_FLOPS else "compute", config=config)
+    if B * S * (L + R) * 2 > CACHE_MAX_BYTES:
+        row["skipped"] = f"cache {B * S * (L + R) * 2 / 1e9:.0f} GB > {CACHE_MAX_BYTES / 1e9:.0f} GB"
+        return row
+    cache, bt, seq = make_paged(B, S, sh, dev, dtype)
+    g = torch.Generator(device=dev).manual_seed(1)
+    w_kvb = (torch.randn(H * (P + V), L, device=dev, generator=g) * L ** -0.5).to(dtype)
+    w_uk, w_uv = ref.split_kv_b(w_kvb, H, P, V)
+    q_nope = torch.randn(B, H, P, device=dev, generator=g).to(dtype)
+    q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
+    q_lat = ref.absorb_q(q_nope, w_uk)                                            # [B, H, L] (what the pass feeds)
+    splits = kernels.choose_num_splits(B * triton.cdiv(H, kernels._tile_rows(H, False, 16, config["block_h"])[1]),
+                                       bt.shape[1] * sh["block"], config["block_n"])
+    row["num_splits"] = splits
+
+    def ours():
+        return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0, config=config)
+
+    o_lat = ours()
+    nb = min(B, 2)                                                                # fp32 reference on a sub-batch
+    want = ref.mla_decode_ref(q_lat[:nb].float(), q_rope[:nb].float(), cache, bt[:nb], seq[:nb], scale)
+    row["err_vs_ref"] = err(o_lat[:nb], want)
+    hf_bytes = B * S * H * (P + V + P + R) * 2 * 1.25
+    if getattr(args, "no_hf", False):
+        row["hf_skipped"] = "not run while tuning"
+        latent = k_rope = None
+    elif hf_bytes > HF_MAX_BYTES:
+        row["hf_skipped"] = f"HF expansion needs ~{hf_bytes / 1e9:.0f} GB > {HF_MAX_BYTES / 1e9:.0f} GB"
+        latent = k_rope = None
+    else:
+        latent, k_rope = dense_from_paged(cache, bt, S, sh)
+        with torch.no_grad():
+            hf_out = hf_expand_attend(q_nope[:, :, None], q_rope[:, :, None], latent, k_rope, w_kvb, sh, scale)[:, :, 0]
+        row["err_vs_hf"] = err(ref.unabsorb_out(o_lat, w_uv), hf_out)
+        del hf_out
+    bad = row["err_vs_ref"] > args.tol or row.get("err_vs_hf", 0.0) > args.tol
+    if bad:
+        row["mismatch"] = True
+        log(f"  !! decode H={H} S={S} B={B}: error vs ref {row['err_vs_ref']:.2e}, vs HF {row.get('err_vs_hf')}")
+    row["ours_ms"], row["ours_graphed"] = time_ms(ours, graph=not args.no_graph)
+    if latent is not None:
+        with torch.no_grad():
+            row["hf_ms"], row["hf_graphed"] = time_ms(
+                lambda: hf_expand_attend(q_nope[:, :, None], q_rope[:, :, None], latent, k_rope, w_kvb, sh, scale),
+                graph=not args.no_graph)
+        row["speedup_vs_hf"] = row["hf_ms"] / row["ours_ms"]
+    row["gbps"] = nbytes / row["ours_ms"] / 1e6
+    row["tflops"] = flops / row["ours_ms"] / 1e9
+    row["pct_roofline"] = 100 * floor_ms / row["ours_ms"]
+    log(f"  decode H={H:3d} S={S:5d} B={B:3d} splits={splits:2d}: ours {row['ours_ms']:.4f} ms "
+        f"{row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TF/s = {row['pct_roofline']:4.0f}% of roofline "
+        f"({row['bound']}); HF {row.get('hf_ms', float('nan')):.3f} ms; err ref {row['err_vs_ref']:.1e} "
+        f"HF {row.get('err_vs_hf', float('nan')):.1e}")
+    del cache, bt, latent, k_rope
+    return row
+
+
+def tune(regime: str, H: int, sh: dict, dev, dtype, args) -> tuple[dict, list]:
+    """Time each candidate config at the tune shape; returns (best config, rows)."""
+    B, S = sh["tune_shape"]
+    rows = []
+    cands = TUNE[regime] if not args.smoke else TUNE[regime][:2]
+    for bh, bn, w, st in cands:
+        cfg = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st)
+        try:
+            r = decode_row(H, S, B, sh, dev, dtype, argparse.Namespace(**{**vars(args), "no_hf": True}), cfg)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and move on
+            log(f"  tune {regime} {cfg}: failed: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        if r.get("mismatch"):
+            log(f"  tune {regime} {cfg}: wrong results, discarded")
+            continue
+        rows.append(dict(cfg=cfg, ms=r["ours_ms"], pct=r["pct_roofline"]))
+    best = min(rows, key=lambda r: r["ms"])["cfg"] if rows else dict(kernels.CONFIGS[regime])
+    return best, rows
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+def prefill_row(H, T, sh, dev, dtype, args) -> dict:
+    L, R, P, V = sh["L"], sh["R"], sh["P"], sh["V"]
+    scale = (P + R) ** -0.5
+    pairs = T * (T + 1) // 2
+    flops = 2 * H * pairs * (L + R) + 2 * H * pairs * L
+    hf_flops = 2 * H * pairs * (P + R) + 2 * H * pairs * V + 2 * T * L * H * (P + V)
+    row = dict(kind="prefill", H=H, T=T, flops=flops, hf_flops=hf_flops,
+               roofline_ms=max(flops / PEAK_FLOPS, T * (L + R) * 2 / HBM_BPS) * 1e3)
+    g = torch.Generator(device=dev).manual_seed(2)
+    cache = torch.zeros(triton.cdiv(T, sh["block"]) + 1, sh["block"], L + R, device=dev, dtype=dtype)
+    bt = torch.randperm(cache.shape[0] - 1, device=dev, generator=g).int()[None]
+    latent = torch.randn(1, T, L, device=dev, generator=g).to(dtype)
+    k_rope = torch.randn(1, T, R, device=dev, generator=g).to(dtype)
+    pos = torch.arange(T, device=dev)
+    slots = bt[0, pos // sh["block"]].long() * sh["block"] + pos % sh["block"]
+    kernels.mla_cache_write_triton(cache, latent[0], k_rope[0], slots)            # fill through our write op
+    w_kvb = (torch.randn(H * (P + V), L, device=dev, generator=g) * L ** -0.5).to(dtype)
+    w_uk, w_uv = ref.split_kv_b(w_kvb, H, P, V)
+    q_nope = torch.randn(T, H, P, device=dev, generator=g).to(dtype)
+    q_rope = torch.randn(T, H, R, device=dev, generator=g).to(dtype)
+    q_lat = ref.absorb_q(q_nope, w_uk)
+    seq = torch.tensor([T], device=dev, dtype=torch.int32)
+    qsl = torch.tensor([0, T], device=dev, dtype=torch.int32)
+
+    def ours():
+        return kernels.mla_prefill_triton(q_lat, q_rope, cache, bt, seq, qsl, scale)
+
+    def hf():
+        return hf_expand_attend(q_nope.transpose(0, 1)[None], q_rope.transpose(0, 1)[None], latent, k_rope, w_kvb,
+                                sh, scale, is_causal=True)
+
+    o_lat = ours()
+    n = min(T, 64)                                  # fp32 reference for the last n queries (positions T-n..T-1)
+    want = ref.mla_prefill_ref(q_lat[-n:].float(), q_rope[-n:].float(), cache, bt, seq,
+                               torch.tensor([0, n], device=dev, dtype=torch.int32), scale)
+    row["err_vs_ref"] = err(o_lat[-n:], want)
+    # HF's SDPA may fall back to the math kernel (q/k head dim 192 != v head dim 128): H*T*T scores
+    run_hf = H * T * T * 2 * 4 + T * H * (P + V + P + R) * 2 <= HF_MAX_BYTES
+    if run_hf:
+        with torch.no_grad():
+            row["err_vs_hf"] = err(ref.unabsorb_out(o_lat, w_uv), hf()[0].transpose(0, 1))
+    else:
+        row["hf_skipped"] = f"HF/SDPA fallback could need ~{H * T * T * 8 / 1e9:.0f} GB"
+    if row["err_vs_ref"] > args.tol or row.get("err_vs_hf", 0.0) > args.tol:
+        row["mismatch"] = True
+        log(f"  !! prefill H={H} T={T}: error vs ref {row['err_vs_ref']:.2e}, vs HF {row.get('err_vs_hf')}")
+    row["ours_ms"], _ = time_ms(ours, graph=not args.no_graph)
+    if run_hf:
+        with torch.no_grad():
+            row["hf_ms"], _ = time_ms(hf, graph=not args.no_graph)
+        row["hf_tflops"] = hf_flops / row["hf_ms"] / 1e9
+        row["speedup_vs_hf"] = row["hf_ms"] / row["ours_ms"]
+    row["tflops"] = flops / row["ours_ms"] / 1e9
+    row["pct_roofline"] = 100 * row["roofline_ms"] / row["ours_ms"]
+    log(f"  prefill H={H:3d} T={T:5d}: ours {row['ours_ms']:.3f} ms ({row['tflops']:.0f} TF/s absorbed, "
+        f"{row['pct_roofline']:.0f}% of roofline); HF expanded {row.get('hf_ms', float('nan')):.3f} ms "
+        f"({row.get('hf_tflops', float('nan')):.0f} TF/s); err ref {row['err_vs_ref']:.1e} "
+        f"HF {row.get('err_vs_hf', float('nan')):.1e}")
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ cache bytes
+def cache_bytes_per_token() -> dict:
+    """What the installed transformers stores per token per layer for DeepSeek-V2-Lite widths (measured on a
+    1-layer model with a DynamicCache), next to ours and next to expanded per-head K/V."""
+    from transformers import DeepseekV2Config, DynamicCache
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Model
+    out = {}
+    for heads in (16, 128):
+        cfg = DeepseekV2Config(vocab_size=32, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=None,
+                               qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1)
+        model = DeepseekV2Model(cfg).to(torch.bfloat16).eval()
+        cache = DynamicCache(config=cfg)
+        T = 8
+        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.zeros(1, T, dtype=torch.long), use_cache=True, **{kw: cache})
+            if hasattr(cache, "layers"):
+                tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None),
+                                                                  getattr(layer, "values", None))]
+            else:                                                     # older transformers
+                tensors = list(cache.key_cache) + list(cache.value_cache)
+            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        except Exception as exc:  # noqa: BLE001 - report, do not lose the rest of the run
+            log(f"  cache bytes: could not measure HF's cache ({type(exc).__name__}: {str(exc)[:100]})")
+            tensors = []
+        hf = sum(t.numel() * t.element_size() for t in tensors) / T
+        out[heads] = dict(ours=(512 + 64) * 2, hf=hf, hf_shapes=[tuple(t.shape) for t in tensors],
+                          expanded=heads * ((128 + 64) + 128) * 2)
+        log(f"  cache/token/layer H={heads}: ours {out[heads]['ours']} B, HF stores {hf:.0f} B "
+            f"({out[heads]['hf_shapes']}), expanded K/V {out[heads]['expanded']} B")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ compile check
+def compile_check() -> None:
+    """Compile the attention kernel for sm_90 without a GPU and print ptxas registers / spills / smem."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin"
+    ptxas = next((p for p in (ptxas / "ptxas-blackwell", ptxas / "ptxas") if p.exists()), None)
+    L, R, page = 512, 64, 64
+
+    def one(H, mode, bq, bh, bn, w, st, causal, split):
+        args = dict(QL="*bf16", QR="*bf16", KL="*bf16", KR="*bf16", BT="*i32", SEQ="*i32", QSL="*i32", MASK="*bf16",
+                    O="*bf16", PO="*fp32", PLSE="*fp32")
+        ints = dict(s_qlb=H * L, s_qlt=H * L, s_qlh=L, s_qrb=H * R, s_qrt=H * R, s_qrh=R, s_klb=page * (L + R),
+                    s_kls=L + R, s_krb=page * (L + R), s_krs=L + R, s_bt=256, s_mb=0, s_mt=0, s_ms=0, s_ob=H * L,
+                    s_ot=H * L, s_oh=L, H=H, T=1, S=4096, L=L, R=R, NSEQ=64, NUM_SPLITS=4, T_SCR=1)
+        cx = dict(s_qld=1, s_qrd=1, s_kld=1, s_krd=1, MODE=mode, PAGE=page, MASK_KIND=0, CAUSAL=causal, SPLIT=split,
+                  SEARCH_STEPS=7, IEEE=False, BQ=bq, BH=bh, BN=bn, BLOCK_L=L, BLOCK_R=R)
+        sig = {n: ("constexpr" if n in cx else args.get(n, "fp32" if n == "sm_scale_log2" else "i32"))
+               for n in kernels._mla_attn_kernel.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernels._mla_attn_kernel.arg_names)
+                 if sig[n].startswith("*") or (sig[n] == "i32" and ints.get(n, 1) % 16 == 0 and ints.get(n))}
+        k = triton.compile(ASTSource(kernels._mla_attn_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=w, num_stages=st))
+        info = ""
+        if ptxas is not None:
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                  capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores", info)
+        return (f"regs {regs.group(1) if regs else '?'} spills {spill.group(1) if spill else '?'} B smem "
+                f"{k.metadata.shared} B {'wgmma' if 'wgmma' in k.asm['ptx'] else 'mma.sync'}")
+
+    for regime, H in (("decode_small_h", 16), ("decode_large_h", 128)):
+        for bh, bn, w, st in TUNE[regime]:
+            try:
+                log(f"{regime} H={H} bh={bh} bn={bn} warps={w} stages={st}: {one(H, 0, 1, bh, bn, w, st, False, True)}")
+            except Exception as exc:  # noqa: BLE001
+                log(f"{regime} bh={bh} bn={bn} warps={w} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+    c = kernels.CONFIGS["prefill"]
+    log(f"prefill {c}: {one(16, 1, c['block_m'] // c['block_h'], c['block_h'], c['block_n'], c['num_warps'], c['num_stages'], True, False)}")
+
+
+# ------------------------------------------------------------------------------------------------ main
+def table(rows: list, cache_info: dict, tuned: dict) -> str:
+    out = ["| H | S | B | splits | ours ms | GB/s | TFLOP/s | % roofline (bound) | HF ms | speedup | err ref / HF |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        if "skipped" in r:
+            out.append(f"| {r['H']} | {r['S']} | {r['B']} | | skipped: {r['skipped']} | | | | | | |")
+            continue
+        hf = f"{r['hf_ms']:.3f}" if "hf_ms" in r else f"skip ({r.get('hf_skipped', '')})"
+        sp = f"{r['speedup_vs_hf']:.1f}x" if "speedup_vs_hf" in r else ""
+        out.append(f"| {r['H']} | {r['S']} | {r['B']} | {r['num_splits']} | {r['ours_ms']:.4f} | {r['gbps']:.0f} | "
+                   f"{r['tflops']:.1f} | {r['pct_roofline']:.0f}% ({r['bound']}) | {hf} | {sp} | "
+                   f"{r['err_vs_ref']:.1e} / {r.get('err_vs_hf', float('nan')):.1e} |")
+    out += ["", "| prefill H | T | ours ms | ours TFLOP/s (absorbed flops) | HF expanded ms | HF TFLOP/s | speedup "
+            "| err ref / HF |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "prefill":
+            hf = (f"{r['hf_ms']:.3f} | {r['hf_tflops']:.0f} | {r['speedup_vs_hf']:.2f}x" if "hf_ms" in r
+                  else f"skip ({r.get('hf_skipped')}) | | ")
+            out.append(f"| {r['H']} | {r['T']} | {r['ours_ms']:.3f} | {r['tflops']:.0f} | {hf} | "
+                       f"{r['err_vs_ref']:.1e} / {r.get('err_vs_hf', float('nan')):.1e} |")
+    out += ["", "| heads | ours B/token/layer | HF stores | expanded K/V |", "|---|---|---|---|"]
+    for h, c in cache_info.items():
+        out.append(f"| {h} | {c['ours']} | {c['hf']:.0f} ({c['ours'] and c['hf'] / c['ours']:.1f}x) | "
+                   f"{c['expanded']} ({c['expanded'] / c['ours']:.1f}x) |")
+    out += ["", "Decode configs used: " + json.dumps(tuned)]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter or GPU), seconds")
+    ap.add_argument("--out", default=None, help="write JSON results here")
+    ap.add_argument("--no-tune", action="store_true", help="use runtime CONFIGS without sweeping")
+    ap.add_argument("--no-graph", action="store_true", help="time without CUDA graphs")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--heads", default=None, help="comma list, e.g. 16 or 16,128")
+    ap.add_argument("--tol", type=float, default=5e-2, help="max |err| / max |ref| allowed (bf16)")
+    ap.add_argument("--compile-check", action="store_true", help="compile for sm_90 on any machine, print resources")
+    args = ap.parse_args()
+    if args.compile_check:
+        compile_check()
+        return
+    gpu = torch.cuda.is_available()
+    smoke = args.smoke or not gpu
+    args.smoke = smoke
+    sh = SMOKE if smoke else FULL
+    dev = "cuda" if gpu else "cpu"
+    dtype = torch.bfloat16 if gpu else torch.float32          # the interpreter cannot do bf16 arithmetic
+    heads = [int(h) for h in args.heads.split(",")] if args.heads else sh["heads"]
+    log(f"device {torch.cuda.get_device_name() if gpu else 'cpu (interpreter)'}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, dtype {dtype}, shapes {'smoke' if smoke else 'full'}")
+    t_start = time.time()
+    tuned = {}
+    tune_rows = {}
+    for H in heads:
+        regime = "decode_small_h" if H <= 32 else "decode_large_h"
+        if regime in tuned:
+            continue
+        if args.no_tune:
+            tuned[regime] = dict(kernels.CONFIGS[regime])
+            continue
+        log(f"tuning {regime} at H={H} B,S={sh['tune_shape']} over {len(TUNE[regime])} configs")
+        tuned[regime], tune_rows[regime] = tune(regime, H, sh, dev, dtype, args)
+        for r in sorted(tune_rows[regime], key=lambda r: r["ms"]):
+            log(f"    {r['cfg']}: {r['ms']:.4f} ms ({r['pct']:.0f}% of roofline)")
+        log(f"  -> best {regime}: {tuned[regime]} (paste into runtime/ops/mla/kernels.py CONFIGS if it differs)")
+    rows = []
+    for H in heads:
+        regime = "decode_small_h" if H <= 32 else "decode_large_h"
+        for S in sh["lens"]:
+            for B in sh["batches"]:
+                log(f"decode H={H} S={S} B={B} ({time.time() - t_start:.0f}s elapsed)")
+                rows.append(decode_row(H, S, B, sh, dev, dtype, args, tuned[regime]))
+                if gpu:
+                    torch.cuda.empty_cache()
+    if not args.no_prefill:
+        for H in heads:
+            for T in sh["prefill"]:
+                log(f"prefill H={H} T={T} ({time.time() - t_start:.0f}s elapsed)")
+                rows.append(prefill_row(H, T, sh, dev, dtype, args))
+                if gpu:
+                    torch.cuda.empty_cache()
+    log("cache bytes per token per layer")
+    cache_info = cache_bytes_per_token()
+    md = table(rows, cache_info, tuned)
+    print("\n" + md + "\n", flush=True)
+    bad = [r for r in rows if r.get("mismatch")]
+    log(f"done in {time.time() - t_start:.0f}s; {len(bad)} mismatching rows")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name() if gpu else "cpu", torch=torch.__version__, triton=triton.__version__,
+            smoke=smoke, rows=rows, tune=tune_rows, configs=tuned, cache_bytes=cache_info, markdown=md), indent=1,
+            default=str))
+        log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

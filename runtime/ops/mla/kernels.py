@@ -1,0 +1,403 @@
+"""Triton kernels for absorbed MLA attention over the latent, and their launchers.
+
+One attention kernel (``_mla_attn_kernel``) serves the three entry points; constexpr MODE picks how a
+program finds its queries and keys:
+
+  MODE_DECODE   one query per sequence, paged cache, split-KV (stage 1 + ``_mla_merge_kernel``);
+  MODE_PREFILL  ragged query tiles (binary search over query_start_loc), paged cache, causal;
+  MODE_DENSE    [B, H, T, L] queries over a strided [B, S, L] latent (HF layout), optional mask /
+                bottom-right causal, split-KV when there are few query tiles.
+
+A program owns a tile of M = BQ * BH rows: BQ query tokens x BH heads of one sequence. Each latent
+tile [BN, L] read from memory feeds both dots (scores, q_lat . latent^T, and the output, p @ latent)
+for all M rows: at 16 heads this is what keeps decode memory-bound-efficient, at 128 heads it puts
+the work on the tensor cores. Softmax is online in the log2 domain with fp32 accumulators. Rows with
+no key to attend produce zeros (and lse = -inf, which the merge ignores).
+
+Memory per decode step (bf16): sum_b seq_b * (L + R) * 2 bytes of cache, plus q and out.
+Launch configs are pure functions of shapes (``CONFIGS`` + ``choose_num_splits``); nothing syncs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from .cache import mla_cache_write_triton  # noqa: F401  (re-exported launcher)
+
+MODE_DECODE, MODE_PREFILL, MODE_DENSE = 0, 1, 2
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+LOG2E = 1.4426950408889634
+
+# Tunable launch parameters, one place. block_m = rows (query tokens x heads) per tile, block_h = the
+# most heads per tile, block_n = keys per inner iteration. The bench (bench/mla.py --tune) sweeps
+# alternatives on the GPU and prints the winners to paste here.
+CONFIGS = {
+    # H <= 32, memory-bound: one tile holds every head so each latent byte is read from HBM once.
+    # (sm_90 ptxas, triton 3.9: 128 regs, no spills, 94 KB smem -> 2 programs per SM, mma.sync)
+    "decode_small_h": dict(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    # H > 32, tensor-core-bound: 64 heads per tile so the dots are wgmma (M=64); q sits in smem, the
+    # [64, L] fp32 accumulator takes 128 regs/thread over 8 warps (255 regs, ~100-200 B spills on sm_90).
+    # Alternative without spills: block_h=32, block_n=32 (mma.sync, 170 regs). bench/mla.py --tune decides.
+    "decode_large_h": dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    # prefill / dense (T > 1): BQ query tokens x BH heads = block_m rows per tile (wgmma M=64)
+    "prefill": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
+    "dense": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
+    "merge": dict(num_warps=4),
+    # split-KV: aim for `waves` programs per SM; keep >= min_tokens keys per split so the fp32 partials
+    # (H*L*4 bytes per split, mostly L2-resident) stay small next to the keys they summarise.
+    "split": dict(num_sms=132, waves=2, min_tokens=256, max_splits=64),
+}
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+def decode_config(num_heads: int) -> dict:
+    return dict(CONFIGS["decode_small_h" if num_heads <= 32 else "decode_large_h"])
+
+
+def choose_num_splits(num_programs: int, max_len: int, block_n: int) -> int:
+    """Split-KV factor from shapes only: enough programs to fill the GPU, but not fewer than
+    min_tokens keys per split (max_len is the capacity, not the live length: no host sync)."""
+    c = CONFIGS["split"]
+    target = c["num_sms"] * c["waves"]
+    if num_programs >= target or max_len <= 0:
+        return 1
+    by_len = max(1, max_len // max(c["min_tokens"], block_n))
+    return int(max(1, min(triton.cdiv(target, num_programs), by_len, c["max_splits"])))
+
+
+def _tile_rows(num_heads: int, multi_query: bool, block_m: int, block_h: int) -> tuple[int, int]:
+    """(BQ, BH): heads per tile BH (power of two, <= block_h) and query tokens per tile BQ so that
+    BQ * BH ~ block_m rows and >= 16 (the smallest tl.dot M)."""
+    bh = min(block_h, triton.next_power_of_2(num_heads))
+    bq = max(1, block_m // bh) if multi_query else 1
+    if bq * bh < 16:
+        bh = 16 // bq
+    return bq, bh
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention kernel
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _mla_attn_kernel(
+    QL, QR, KL, KR, BT, SEQ, QSL, MASK, O, PO, PLSE,
+    s_qlb, s_qlt, s_qlh, s_qld, s_qrb, s_qrt, s_qrh, s_qrd,      # query strides (batch, token, head, dim)
+    s_klb, s_kls, s_kld, s_krb, s_krs, s_krd,                    # key strides: (block|batch, slot|pos, dim)
+    s_bt, s_mb, s_mt, s_ms,                                      # block table row; mask (batch, q, k)
+    s_ob, s_ot, s_oh,                                            # output strides (last dim contiguous)
+    H, T, S, L, R, NSEQ, NUM_SPLITS, T_SCR, sm_scale_log2,
+    MODE: tl.constexpr, PAGE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr, SEARCH_STEPS: tl.constexpr, IEEE: tl.constexpr,
+    BQ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_tile = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    M: tl.constexpr = BQ * BH
+    rows = tl.arange(0, M)
+    qi = rows // BH
+    hh = pid_h * BH + rows % BH
+    head_ok = hh < H
+
+    # ---- which sequence, which queries, how far each row may look (lim, inclusive) ----
+    if MODE == 0:       # decode: tile = sequence, one query token at the end of it
+        b = pid_tile
+        t = qi                                  # BQ == 1 -> 0
+        row_ok = head_ok
+        seq_len = tl.load(SEQ + b)
+        lim = tl.zeros([M], dtype=tl.int32) + seq_len - 1
+        kv_hi = seq_len
+    elif MODE == 1:     # ragged prefill: tiles of sequence b start at qsl[b] // BQ + b
+        lo = pid_tile * 0
+        hi = lo + NSEQ
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            take = (tl.load(QSL + mid) // BQ + mid) <= pid_tile
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid)
+        b = lo
+        q_start = tl.load(QSL + b)
+        q_end = tl.load(QSL + b + 1)
+        t0 = q_start + (pid_tile - (q_start // BQ + b)) * BQ
+        t = t0 + qi                             # global token index
+        row_ok = head_ok & (t < q_end)
+        seq_len = tl.load(SEQ + b)
+        first_pos = seq_len - (q_end - q_start)
+        lim = first_pos + (t - q_start)
+        kv_hi = tl.minimum(seq_len, first_pos + (tl.minimum(t0 + BQ, q_end) - q_start))
+        kv_hi = tl.where(t0 < q_end, kv_hi, 0)
+    else:               # dense: tile = (batch, block of BQ query tokens)
+        n_qt = tl.cdiv(T, BQ)
+        b = pid_tile // n_qt
+        t0 = (pid_tile % n_qt) * BQ
+        t = t0 + qi
+        row_ok = head_ok & (t < T)
+        if CAUSAL:
+            lim = t + (S - T)
+            kv_hi = tl.maximum(tl.minimum(S, t0 + BQ + (S - T)), 0)
+        else:
+            lim = tl.zeros([M], dtype=tl.int32) + S - 1
+            kv_hi = S
+    b64 = b.to(tl.int64)
+
+    # ---- this split's key range: chunks of BN keys dealt out evenly ----
+    n_chunks = tl.cdiv(kv_hi, BN)
+    per_split = tl.cdiv(n_chunks, NUM_SPLITS)
+    k_lo = pid_split * per_split * BN
+    k_hi = tl.minimum((pid_split + 1) * per_split * BN, kv_hi)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+    kv_dtype = KL.dtype.element_ty
+    t64 = t.to(tl.int64)
+    h64 = hh.to(tl.int64)
+    q_lat = tl.load(QL + b64 * s_qlb + t64[:, None] * s_qlt + h64[:, None] * s_qlh + offs_l[None, :] * s_qld,
+                    mask=row_ok[:, None] & l_ok[None, :], other=0.0).to(kv_dtype)
+    q_rope = tl.load(QR + b64 * s_qrb + t64[:, None] * s_qrt + h64[:, None] * s_qrh + offs_r[None, :] * s_qrd,
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(kv_dtype)
+
+    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, BLOCK_L], dtype=tl.float32)
+
+    for start in range(k_lo, k_hi, BN):
+        offs_n = start + tl.arange(0, BN)
+        n_ok = offs_n < k_hi
+        if PAGE > 0:
+            blk = tl.load(BT + b64 * s_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            slot = (offs_n % PAGE).to(tl.int64)
+            row_l = blk * s_klb + slot * s_kls
+            row_r = blk * s_krb + slot * s_krs
+        else:
+            n64 = offs_n.to(tl.int64)
+            row_l = b64 * s_klb + n64 * s_kls
+            row_r = b64 * s_krb + n64 * s_krs
+        lat = tl.load(KL + row_l[:, None] + offs_l[None, :] * s_kld,
+                      mask=n_ok[:, None] & l_ok[None, :], other=0.0)              # [BN, BLOCK_L]
+        rope = tl.load(KR + row_r[:, None] + offs_r[None, :] * s_krd,
+                       mask=n_ok[:, None] & r_ok[None, :], other=0.0)             # [BN, BLOCK_R]
+        if IEEE:
+            qk = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+            qk = tl.dot(q_rope, tl.trans(rope), acc=qk, input_precision="ieee")
+        else:
+            qk = tl.dot(q_lat, tl.trans(lat))
+            qk = tl.dot(q_rope, tl.trans(rope), acc=qk)
+        qk = qk * sm_scale_log2                                                   # [M, BN], log2 units
+        keep = n_ok[None, :] & (rows >= 0)[:, None]        # padded rows (q = 0) stay finite; stores mask them
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= lim[:, None])
+        if MASK_KIND == 1:
+            mv = tl.load(MASK + b64 * s_mb + t64[:, None] * s_mt + offs_n[None, :] * s_ms,
+                         mask=keep, other=0)
+            keep = keep & (mv != 0)
+        if MASK_KIND == 2:
+            mv = tl.load(MASK + b64 * s_mb + t64[:, None] * s_mt + offs_n[None, :] * s_ms,
+                         mask=keep, other=0.0).to(tl.float32)
+            # finite biases are clamped to -1e37 so that * log2(e) cannot overflow to -inf: a row
+            # biased by finfo.min everywhere stays finite (uniform, as in SDPA); -inf stays -inf.
+            bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e37) * 1.4426950408889634)
+            qk = qk + bias
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(kv_dtype), lat, acc=acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(kv_dtype), lat, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    l_use = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_use[:, None]
+    if SPLIT:
+        n_scr = (b * T_SCR + t).to(tl.int64)
+        prow = (n_scr * H + h64) * NUM_SPLITS + pid_split                        # [M]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_use))
+        tl.store(PLSE + prow, lse, mask=row_ok)
+        tl.store(PO + prow[:, None] * L + offs_l[None, :], out,
+                 mask=row_ok[:, None] & l_ok[None, :] & (l_i > 0.0)[:, None])
+    else:
+        tl.store(O + b64 * s_ob + t64[:, None] * s_ot + h64[:, None] * s_oh + offs_l[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+
+
+@triton.jit
+def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr):
+    """One program per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+    Splits with lse = -inf (no keys) are skipped without reading their (unwritten) partials."""
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    offs = tl.arange(0, BLOCK_L)
+    base = pid.to(tl.int64) * NUM_SPLITS
+    m = tl.load(PLSE + base)
+    for s in range(1, NUM_SPLITS):
+        m = tl.maximum(m, tl.load(PLSE + base + s))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    den = tl.sum(acc, 0)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(PLSE + base + s)
+        w = tl.exp2(lse - m_use)
+        live = (tl.zeros([BLOCK_L], dtype=tl.float32) + lse) > float("-inf")
+        po = tl.load(PO + (base + s) * L + offs, mask=(offs < L) & live, other=0.0)
+        acc += w * po
+        den += w
+    den = tl.where(den == 0.0, 1.0, den)
+    b = (n // T_OUT).to(tl.int64)
+    t = (n % T_OUT).to(tl.int64)
+    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs, (acc / den).to(O.dtype.element_ty), mask=offs < L)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, bt, seq, qsl, mask,
+            mask_strides, causal, q_strides_l, q_strides_r, H, T, S, nseq, grid_tiles, t_scr, t_out,
+            n_scr_tokens, scale, bq, bh, num_splits, cfg):
+    L, R = q_lat.shape[-1], q_rope.shape[-1]
+    head_blocks = triton.cdiv(H, bh)
+    if kl.dtype == torch.float32 and kl.is_cuda:           # fp32 dots are CUDA-core FMAs: smaller key tiles
+        cfg = {**cfg, "block_n": min(cfg["block_n"], 16)}  # (block_n 64 spills ~3 KB on sm_90)
+    split = num_splits > 1
+    if split:
+        po = torch.empty((n_scr_tokens * H * num_splits * L,), device=q_lat.device, dtype=torch.float32)
+        plse = torch.empty((n_scr_tokens * H * num_splits,), device=q_lat.device, dtype=torch.float32)
+    else:
+        po = plse = out                                    # unused
+    mask_kind = MASK_NONE if mask is None else (MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT)
+    mask_arg = out if mask is None else (mask.view(torch.uint8) if mask_kind == MASK_BOOL else mask)
+    wrap_triton(_mla_attn_kernel)[(grid_tiles, head_blocks, num_splits)](
+        q_lat, q_rope, kl, kr, out if bt is None else bt, out if seq is None else seq,
+        out if qsl is None else qsl, mask_arg, out, po, plse,
+        *q_strides_l, *q_strides_r, *kl_strides, *kr_strides,
+        bt.stride(0) if bt is not None else 0, *mask_strides,
+        *_out_strides(out, mode),
+        H, T, S, L, R, nseq, num_splits, t_scr, scale * LOG2E,
+        MODE=mode, PAGE=page, MASK_KIND=mask_kind, CAUSAL=causal, SPLIT=split,
+        SEARCH_STEPS=max(1, math.ceil(math.log2(max(nseq, 1))) + 1) if mode == MODE_PREFILL else 1,
+        IEEE=kl.dtype == torch.float32, BQ=bq, BH=bh, BN=cfg["block_n"],
+        BLOCK_L=_pow2(L), BLOCK_R=_pow2(R), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
+            po, plse, out, H, L, num_splits, t_out, *_out_strides(out, mode),
+            BLOCK_L=_pow2(L), num_warps=CONFIGS["merge"]["num_warps"],
+        )
+    return out
+
+
+def _out_strides(out: torch.Tensor, mode: int):
+    if mode == MODE_DENSE:                  # [B, H, T, L]
+        return out.stride(0), out.stride(2), out.stride(1)
+    if mode == MODE_PREFILL:                # [Tq, H, L], rows addressed by global token index
+        return 0, out.stride(0), out.stride(1)
+    return out.stride(0), 0, out.stride(1)  # decode [B, H, L]
+
+
+def _check_cache(cache, block_table, L, R):
+    assert cache.dim() == 3 and cache.shape[-1] == L + R, \
+        f"cache must be [num_blocks, block_size, L+R={L + R}], got {tuple(cache.shape)}"
+    assert cache.stride(-1) == 1, "cache rows must be contiguous in the last dim"
+    assert block_table.dim() == 2, "block_table must be [B, max_blocks]"
+
+
+def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float, num_splits: int = 0,
+                      config: dict | None = None) -> torch.Tensor:
+    """q_lat [B, H, L], q_rope [B, H, R], cache [NB, BS, L+R], block_table [B, MB] int32,
+    seq_lens [B] int32 -> o_lat [B, H, L] (q dtype). num_splits 0 = automatic (shapes only)."""
+    B, H, L = q_lat.shape
+    R = q_rope.shape[-1]
+    _check_cache(cache, block_table, L, R)
+    cfg = {**decode_config(H), **(config or {})}
+    bq, bh = _tile_rows(H, False, 16, cfg["block_h"])
+    page = cache.shape[1]
+    if num_splits <= 0:
+        num_splits = choose_num_splits(B * triton.cdiv(H, bh), block_table.shape[1] * page, cfg["block_n"])
+    out = torch.empty((B, H, L), device=q_lat.device, dtype=q_lat.dtype)
+    if B == 0:
+        return out
+    return _launch(
+        q_lat, q_rope, cache, cache[:, :, L:], (cache.stride(0), cache.stride(1), 1),
+        (cache.stride(0), cache.stride(1), 1), out, mode=MODE_DECODE, page=page, bt=block_table,
+        seq=seq_lens, qsl=None, mask=None, mask_strides=(0, 0, 0), causal=False,
+        q_strides_l=(q_lat.stride(0), 0, q_lat.stride(1), q_lat.stride(2)),
+        q_strides_r=(q_rope.stride(0), 0, q_rope.stride(1), q_rope.stride(2)),
+        H=H, T=1, S=0, nseq=B, grid_tiles=B, t_scr=1, t_out=1, n_scr_tokens=B, scale=scale,
+        bq=bq, bh=bh, num_splits=num_splits, cfg=cfg)
+
+
+def mla_prefill_triton(q_lat, q_rope, cache, block_table, seq_lens, query_start_loc, scale: float,
+                       config: dict | None = None) -> torch.Tensor:
+    """q_lat [Tq, H, L], q_rope [Tq, H, R]; ragged batch given by query_start_loc [B+1] int32;
+    seq_lens [B] int32 include the new tokens (already in the cache) -> o_lat [Tq, H, L]."""
+    Tq, H, L = q_lat.shape
+    R = q_rope.shape[-1]
+    _check_cache(cache, block_table, L, R)
+    B = seq_lens.shape[0]
+    cfg = {**CONFIGS["prefill"], **(config or {})}
+    bq, bh = _tile_rows(H, True, cfg["block_m"], cfg["block_h"])
+    out = torch.empty((Tq, H, L), device=q_lat.device, dtype=q_lat.dtype)
+    if Tq == 0 or B == 0:
+        return out
+    return _launch(
+        q_lat, q_rope, cache, cache[:, :, L:], (cache.stride(0), cache.stride(1), 1),
+        (cache.stride(0), cache.stride(1), 1), out, mode=MODE_PREFILL, page=cache.shape[1],
+        bt=block_table, seq=seq_lens, qsl=query_start_loc, mask=None, mask_strides=(0, 0, 0), causal=True,
+        q_strides_l=(0, q_lat.stride(0), q_lat.stride(1), q_lat.stride(2)),
+        q_strides_r=(0, q_rope.stride(0), q_rope.stride(1), q_rope.stride(2)),
+        H=H, T=1, S=0, nseq=B, grid_tiles=triton.cdiv(Tq, bq) + B, t_scr=0, t_out=1, n_scr_tokens=Tq,
+        scale=scale, bq=bq, bh=bh, num_splits=1, cfg=cfg)
+
+
+def dense_mask_4d(attn_mask: torch.Tensor | None, B: int, T: int, S: int) -> torch.Tensor | None:
+    """Broadcast a mask to [B, 1, T, S] without copying (stride 0 where it was 1). Per-head masks are
+    not supported (HF's masks are shared by all heads)."""
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.shape[1] != 1:
+        raise ValueError(f"mla_attention_dense: per-head masks are not supported, got {tuple(attn_mask.shape)}")
+    return m.expand(B, 1, T, S)
+
+
+def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_causal: bool, scale: float,
+                               num_splits: int = 0, config: dict | None = None) -> torch.Tensor:
+    """q_lat [B, H, T, L], q_rope [B, H, T, R], latent [B, S, L], k_rope [B, S, R] (any strides),
+    attn_mask [B|1, 1, T, S] bool (True = attend) / float additive / None; is_causal: key j <= i + S - T.
+    -> o_lat [B, H, T, L] (q dtype)."""
+    B, H, T, L = q_lat.shape
+    S, R = latent.shape[1], k_rope.shape[-1]
+    cfg = {**CONFIGS["dense"], **(config or {})}
+    if T == 1:
+        cfg = {**decode_config(H), "block_m": 16, **(config or {})}
+    bq, bh = _tile_rows(H, T > 1, cfg.get("block_m", 16), cfg["block_h"])
+    mask = dense_mask_4d(attn_mask, B, T, S)
+    mask_strides = (0, 0, 0) if mask is None else (mask.stride(0), mask.stride(2), mask.stride(3))
+    tiles = B * triton.cdiv(T, bq)
+    if num_splits <= 0:
+        num_splits = choose_num_splits(tiles * triton.cdiv(H, bh), S, cfg["block_n"])
+    out = torch.empty((B, H, T, L), device=q_lat.device, dtype=q_lat.dtype)
+    if B == 0 or T == 0:
+        return out
+    return _launch(
+        q_lat, q_rope, latent, k_rope, (latent.stride(0), latent.stride(1), latent.stride(2)),
+        (k_rope.stride(0), k_rope.stride(1), k_rope.stride(2)), out, mode=MODE_DENSE, page=0,
+        bt=None, seq=None, qsl=None, mask=mask, mask_strides=mask_strides, causal=bool(is_causal),
+        q_strides_l=(q_lat.stride(0), q_lat.stride(2), q_lat.stride(1), q_lat.stride(3)),
+        q_strides_r=(q_rope.stride(0), q_rope.stride(2), q_rope.stride(1), q_rope.stride(3)),
+        H=H, T=T, S=S, nseq=B, grid_tiles=tiles, t_scr=T, t_out=T, n_scr_tokens=B * T, scale=scale,
+        bq=bq, bh=bh, num_splits=num_splits, cfg=cfg)

@@ -1,0 +1,642 @@
+"""Triton kernels for mixture-of-experts: routing, token->expert alignment, grouped expert GEMMs, combine.
+
+Pipeline of ``moe_triton`` (no host sync, every size a function of shapes only: CUDA-graph safe):
+  1. router logits ``F.linear`` (cuBLAS), then ``_route_kernel``: scores, bias, group limit, top-k, renorm, scale.
+  2. ``align_triton``: pairs (t, j) sorted by expert, each expert's segment padded to a multiple of BM
+     (padding = sentinel T*k); ``block_expert_ids`` names each BM-row block's expert.
+  3. ``_gate_up_kernel``: per (BM block, BN tile of I): gate and up tiles of the same expert in one program,
+     act(gate) * up written once to ``inter [max_padded, I]`` (row = sorted position).
+  4. ``_down_kernel``: per (BM block, BN tile of H, K split): inter @ w2[e].T, times the routing weight, written
+     to ``buf [SPLIT_K, T*k, H]`` (row = pair t*k+j).
+  5. ``_combine_kernel``: out[t] = sum over splits and slots of buf, in a fixed order (deterministic).
+Small T: BM=16 blocks, so every touched expert has one block and its weights are read once; the N dimension
+is split finely (and K for the down projection) so enough CTAs stream the weights.
+
+Memory traffic (gated, bf16): touched experts * 3 * H * I * 2 bytes + x/out, + inter (max_padded * I * 2 B,
+written and read once) + buf (T*k*H*e written and read once).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..library import interpreting
+from .reference import ACTIVATIONS, METHODS, check_route_args
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs. Keys of MOE_CONFIGS are T buckets (upper bounds on the number of tokens); the first key >= T wins.
+#   BM: rows per expert block (alignment granularity and tl.dot M, >= 16).
+#   up (gate+up GEMM, N = I, K = H) / down (N = H, K = I): BN, BK tiles (>= 16), GROUP_M (grouped tile order
+#   for L2 reuse of weight tiles), warps, stages; down SPLIT_K (None: heuristic from the bucket's bound, so
+#   that enough CTAs stream the weights at small T).
+# TUNED[(E, H, I, top_k)] may hold a whole table of the same form for one model shape (fill it from bench).
+# Every choice depends on the bucket only, never on T itself (few guards / recompiles under dynamic shapes).
+# ----------------------------------------------------------------------------------------------------------
+def _small() -> dict:
+    return dict(BM=16, up=dict(BN=32, BK=128, GROUP_M=1, warps=4, stages=4),
+                down=dict(BN=64, BK=128, GROUP_M=1, warps=4, stages=4, SPLIT_K=None))
+
+
+MOE_CONFIGS: dict[int, dict] = {
+    1: _small(),
+    4: _small(),
+    16: _small(),
+    64: dict(BM=16, up=dict(BN=64, BK=128, GROUP_M=4, warps=4, stages=4),
+             down=dict(BN=64, BK=128, GROUP_M=4, warps=4, stages=4, SPLIT_K=None)),
+    256: dict(BM=32, up=dict(BN=64, BK=64, GROUP_M=8, warps=4, stages=4),
+              down=dict(BN=128, BK=64, GROUP_M=8, warps=4, stages=4, SPLIT_K=None)),
+    1024: dict(BM=64, up=dict(BN=64, BK=64, GROUP_M=8, warps=4, stages=4),
+               down=dict(BN=128, BK=64, GROUP_M=8, warps=4, stages=4, SPLIT_K=1)),
+    1 << 62: dict(BM=128, up=dict(BN=128, BK=64, GROUP_M=8, warps=8, stages=3),
+                  down=dict(BN=128, BK=64, GROUP_M=8, warps=8, stages=4, SPLIT_K=1)),
+}
+TUNED: dict[tuple[int, int, int, int], dict[int, dict]] = {}
+
+# Largest (T*k) * next_pow2(E) handled by the single-program alignment kernel; above it: 3 kernels.
+ALIGN_SINGLE_MAX = 16384
+NUM_SMS_GUESS = 132  # H200; only used by the split-K heuristic (a pure function of shapes)
+
+_METHOD_ID = {m: i for i, m in enumerate(METHODS)}
+_ACT_ID = {a: i for i, a in enumerate(ACTIVATIONS)}
+
+
+def _launch(kernel):
+    return torch.library.wrap_triton(kernel)
+
+
+def _cast_f32(dtype: torch.dtype) -> bool:
+    """Load-and-widen operands before tl.dot: the interpreter's bf16/fp16 math is unreliable, fp32 stays fp32."""
+    return interpreting() or dtype == torch.float32
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """fp32 operands: full-precision dot (torch's fp32 matmul does not use TF32 by default)."""
+    return dtype == torch.float32
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+def _pow2_at_least(n) -> int:
+    """Smallest power of two >= n (comparisons only: works on SymInts with a few guards)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def bucket_for(T, table: dict | None = None) -> int:
+    table = table if table is not None else MOE_CONFIGS
+    for bound in sorted(table):
+        if T <= bound:
+            return bound
+    return max(table)
+
+
+def config_for(T, E: int, H: int, I: int, top_k: int, elem_bytes: int = 2) -> dict:
+    """The config for T tokens of one MoE shape (pure function of shapes and element size, constant within a
+    T bucket). The tables are written for 16-bit operands; wider ones get fewer stages / a smaller BK so the
+    pipelined tiles fit in shared memory."""
+    table = TUNED.get((E, H, I, top_k), MOE_CONFIGS)
+    bound = bucket_for(T, table)
+    cfg = table[bound]
+    cfg = {"BM": cfg["BM"], "up": dict(cfg["up"]), "down": dict(cfg["down"])}
+    _fit_smem(cfg["up"], cfg["BM"], 2, elem_bytes)
+    _fit_smem(cfg["down"], cfg["BM"], 1, elem_bytes)
+    if cfg["down"].get("SPLIT_K") is None:
+        cfg["down"]["SPLIT_K"] = _split_k_heuristic(min(bound, 1 << 20), E, H, I, top_k, cfg)
+    return cfg
+
+
+SMEM_BUDGET = 200 * 1024  # of the H200's 227 KB per block
+
+
+def _fit_smem(kcfg: dict, BM: int, n_weight_tiles: int, elem_bytes: int) -> None:
+    def smem():
+        return kcfg["stages"] * (BM + n_weight_tiles * kcfg["BN"]) * kcfg["BK"] * elem_bytes
+
+    while smem() > SMEM_BUDGET and kcfg["stages"] > 2:
+        kcfg["stages"] -= 1
+    while smem() > SMEM_BUDGET and kcfg["BK"] > 16:
+        kcfg["BK"] //= 2
+
+
+def _split_k_heuristic(T: int, E: int, H: int, I: int, top_k: int, cfg: dict) -> int:
+    """Split the down projection's K until ~4 CTAs per SM stream weights (expected touched experts at T)."""
+    touched = max(1.0, E * (1.0 - (1.0 - top_k / E) ** T))
+    blocks = touched + T * top_k / cfg["BM"]
+    ctas = blocks * triton.cdiv(H, cfg["down"]["BN"])
+    k_iters = triton.cdiv(I, cfg["down"]["BK"])
+    split = 1
+    while ctas * split < 4 * NUM_SMS_GUESS and split * 2 <= 8 and k_iters // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _argmax_first(v, cols, EP: tl.constexpr):
+    """Per row: (max, lowest column holding it)."""
+    m = tl.max(v, axis=1)
+    idx = tl.min(tl.where(v == m[:, None], cols[None, :], EP), axis=1)
+    return m, idx
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le, scale,
+                  E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                  METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
+    # METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, EP)
+    rmask = rows < T
+    cmask = cols < E
+    ninf = float("-inf")
+    x = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :] * stride_le,
+                mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    x = tl.where(cmask[None, :], x, ninf)
+    if METHOD == 2:
+        score = 1.0 / (1.0 + tl.exp(-x))
+        choice = score
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    elif METHOD == 1:
+        score = x
+        choice = x
+    else:
+        m = tl.max(x, axis=1)
+        p = tl.exp(x - m[:, None])
+        p = tl.where(cmask[None, :], p, 0.0)
+        score = p / tl.sum(p, axis=1)[:, None]
+        choice = score
+    choice = tl.where(cmask[None, :], choice, ninf)
+
+    if METHOD >= 2:  # group-limited: keep the TOPK_GROUP best groups
+        GS: tl.constexpr = E // N_GROUP
+        grp = cols // GS  # padded columns get groups >= N_GROUP
+        gscore = tl.full([BLOCK_T, EP], ninf, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            in_g = (grp == g)[None, :]
+            v = tl.where(in_g, choice, ninf)
+            m1, i1 = _argmax_first(v, cols, EP)
+            if METHOD == 2 and GS >= 2:
+                v2 = tl.where(cols[None, :] == i1[:, None], ninf, v)
+                sc = m1 + tl.max(v2, axis=1)
+            else:
+                sc = m1
+            gscore = tl.where(in_g, sc[:, None], gscore)
+        keep = tl.zeros([BLOCK_T, EP], dtype=tl.int32) != 0
+        for r in tl.static_range(TOPK_GROUP):
+            cand = tl.where(keep, ninf, gscore)
+            mg = tl.max(cand, axis=1)
+            gi = tl.min(tl.where((cand == mg[:, None]) & (grp < N_GROUP)[None, :] & (~keep), grp[None, :],
+                                 N_GROUP), axis=1)
+            keep = keep | (grp[None, :] == gi[:, None])
+        if METHOD == 2:
+            choice = tl.where(keep, choice, ninf)
+        else:  # group_limited_greedy zeroes the dropped groups' probabilities
+            score = tl.where(keep, score, 0.0)
+            choice = tl.where(cmask[None, :], score, ninf)
+
+    kcols = tl.arange(0, KP)
+    w_acc = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+    id_acc = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    avail = cmask[None, :] & (rows >= 0)[:, None]
+    for j in tl.static_range(TOP_K):
+        cand = tl.where(avail, choice, ninf)
+        m = tl.max(cand, axis=1)
+        idx = tl.min(tl.where((cand == m[:, None]) & avail, cols[None, :], EP), axis=1)
+        sel = cols[None, :] == idx[:, None]
+        val = tl.sum(tl.where(sel, score, 0.0), axis=1)
+        w_acc = tl.where(kcols[None, :] == j, val[:, None], w_acc)
+        id_acc = tl.where(kcols[None, :] == j, idx[:, None], id_acc)
+        avail = avail & (~sel)
+    kvalid = (kcols < TOP_K)[None, :]
+    if METHOD == 1:
+        wm = tl.max(tl.where(kvalid, w_acc, ninf), axis=1)
+        ex = tl.where(kvalid, tl.exp(w_acc - wm[:, None]), 0.0)
+        w_acc = ex / tl.sum(ex, axis=1)[:, None]
+    elif RENORM:
+        denom = tl.sum(tl.where(kvalid, w_acc, 0.0), axis=1)
+        if METHOD == 2:
+            denom = denom + 1e-20
+        w_acc = w_acc / denom[:, None]
+    w_acc = w_acc * scale
+    omask = rmask[:, None] & kvalid
+    offs = rows[:, None] * TOP_K + kcols[None, :]
+    tl.store(w_ptr + offs, w_acc, mask=omask)
+    tl.store(ids_ptr + offs, id_acc, mask=omask)
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int, renormalize: bool,
+                 scale: float, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); same contract as reference.route."""
+    assert logits.dim() == 2, f"logits must be [T, E], got {tuple(logits.shape)}"
+    T, E = logits.shape[0], int(logits.shape[1])
+    top_k, n_group, topk_group = int(top_k), int(n_group), int(topk_group)  # schema ints arrive as SymInt-able
+    check_route_args(E, method, top_k, n_group, topk_group)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return weights, ids
+    EP = triton.next_power_of_2(E)
+    block_t = max(2, min(32, 2048 // EP))
+    grouped = method.endswith("group_topk")
+    if bias is not None:
+        assert bias.shape == (E,), f"bias must be [E]={E}, got {tuple(bias.shape)}"
+    _launch(_route_kernel)[(triton.cdiv(T, block_t),)](
+        logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0), logits.stride(1),
+        float(scale), E=E, EP=EP, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)), METHOD=_METHOD_ID[method],
+        RENORM=bool(renormalize), HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
+        TOPK_GROUP=topk_group if grouped else 1, BLOCK_T=block_t, num_warps=4)
+    return weights, ids
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Alignment: sorted_token_ids / block_expert_ids / num_tokens_post_padded
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _chunk_onehot(ids_ptr, start, N, BLOCK: tl.constexpr, EP: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < N
+    e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    onehot = ((e[:, None] == tl.arange(0, EP)[None, :]) & valid[:, None]).to(tl.int32)  # [BLOCK, EP]
+    return offs, valid, onehot
+
+
+@triton.jit
+def _scatter_chunk(sorted_ptr, offs, valid, onehot, base):
+    """Each pair goes to base[its expert] + (number of earlier pairs of the chunk with the same expert)."""
+    rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
+    pos = tl.sum(onehot * base[None, :], axis=1) + rank
+    tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=valid)
+
+
+@triton.jit
+def _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PADDED, MAX_BLOCKS,
+                  E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr):
+    """From per-expert counts [EP]: segment starts, num_post, padding sentinels, block experts. Returns starts."""
+    cols = tl.arange(0, EP)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_ptr, total)
+    # per-expert padding: [starts + counts, ends)
+    r = tl.arange(0, BM)
+    pad_pos = (starts + counts)[:, None] + r[None, :]
+    tl.store(sorted_ptr + pad_pos, tl.full([EP, BM], 0, tl.int32) + N,
+             mask=(r[None, :] < (padded - counts)[:, None]) & (cols < E)[:, None])
+    # tail past the last segment: [total, MAX_PADDED)
+    for p0 in range(total, MAX_PADDED, TAIL):
+        p = p0 + tl.arange(0, TAIL)
+        tl.store(sorted_ptr + p, tl.full([TAIL], 0, tl.int32) + N, mask=p < MAX_PADDED)
+    # block b's expert = number of experts whose segment ends at or before b*BM (empty segments included)
+    for b0 in range(0, MAX_BLOCKS, BB):
+        b = b0 + tl.arange(0, BB)
+        first = b * BM
+        ex = tl.sum(((ends[None, :] <= first[:, None]) & (cols < E)[None, :]).to(tl.int32), axis=1)
+        ex = tl.where(first < total, ex, -1)
+        tl.store(block_expert_ptr + b, ex, mask=b < MAX_BLOCKS)
+    return starts
+
+
+@triton.jit
+def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS,
+                         E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
+                         TAIL: tl.constexpr, BB: tl.constexpr):
+    offs, valid, onehot = _chunk_onehot(ids_ptr, 0, N, BLOCK, EP)
+    counts = tl.sum(onehot, axis=0)
+    starts = _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PADDED, MAX_BLOCKS,
+                           E, EP, BM, TAIL, BB)
+    _scatter_chunk(sorted_ptr, offs, valid, onehot, starts)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, N, EP: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    _, _, onehot = _chunk_onehot(ids_ptr, pid * BLOCK, N, BLOCK, EP)
+    tl.store(counts_ptr + pid * EP + tl.arange(0, EP), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, NB,
+                          MAX_PADDED, MAX_BLOCKS, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                          CB: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr):
+    cols = tl.arange(0, EP)
+    totals = tl.zeros([EP], dtype=tl.int32)
+    for c0 in range(0, NB, CB):
+        c = c0 + tl.arange(0, CB)
+        totals += tl.sum(tl.load(counts_ptr + c[:, None] * EP + cols[None, :], mask=(c < NB)[:, None], other=0),
+                         axis=0)
+    starts = _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, totals, N, MAX_PADDED, MAX_BLOCKS,
+                           E, EP, BM, TAIL, BB)
+    running = starts
+    for c0 in range(0, NB, CB):
+        c = c0 + tl.arange(0, CB)
+        cnt = tl.load(counts_ptr + c[:, None] * EP + cols[None, :], mask=(c < NB)[:, None], other=0)
+        base = running[None, :] + tl.cumsum(cnt, axis=0) - cnt
+        tl.store(base_ptr + c[:, None] * EP + cols[None, :], base, mask=(c < NB)[:, None])
+        running += tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, N, EP: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs, valid, onehot = _chunk_onehot(ids_ptr, pid * BLOCK, N, BLOCK, EP)
+    base = tl.load(base_ptr + pid * EP + tl.arange(0, EP))
+    _scatter_chunk(sorted_ptr, offs, valid, onehot, base)
+
+
+def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int, int]:
+    """(max_padded, max_blocks, grid_blocks): buffer bounds and a tighter bound on the number of used blocks
+    (sum_e cdiv(c_e, BM) <= (T*k + min(E, T*k) * (BM - 1)) / BM)."""
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    grid_blocks = (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+    return max_padded, max_blocks, max(grid_blocks, 1)
+
+
+def align_triton(ids: torch.Tensor, num_experts: int, block_m: int, *, path: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_token_ids int32 [max_padded], block_expert_ids int32 [max_blocks],
+    num_tokens_post_padded int32 [1]). Pairs (t, j) are flattened to t*k+j and stably sorted by expert; each
+    expert's segment is padded to a multiple of block_m with the sentinel T*k (so is the tail past the last
+    segment); block_expert_ids is -1 past num_tokens_post_padded. ``path`` forces "single" or "multi" (tests)."""
+    assert ids.dim() == 2, f"ids must be [T, k], got {tuple(ids.shape)}"
+    assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m={block_m} must be a power of two"
+    ids = ids.contiguous()
+    N = ids.numel()
+    E = num_experts
+    EP = triton.next_power_of_2(E)
+    max_padded, max_blocks, _ = align_sizes(N, E, block_m)
+    dev = ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    TAIL, BB = 1024, 64
+    if path is None:
+        path = "single" if N * EP <= ALIGN_SINGLE_MAX else "multi"
+    if path == "single":
+        block = _pow2_at_least(max(N, 16))
+        _launch(_align_single_kernel)[(1,)](
+            ids, sorted_ids, block_expert, num_post, N, max_padded, max_blocks, E=E, EP=EP, BM=block_m,
+            BLOCK=block, TAIL=TAIL, BB=BB, num_warps=4 if block * EP <= 4096 else 8)
+        return sorted_ids, block_expert, num_post
+    block = max(16, min(1024, 8192 // EP))
+    nb = triton.cdiv(N, block)
+    counts = torch.empty(nb, EP, dtype=torch.int32, device=dev)
+    base = torch.empty(nb, EP, dtype=torch.int32, device=dev)
+    _launch(_align_count_kernel)[(nb,)](ids, counts, N, EP=EP, BLOCK=block, num_warps=4)
+    cb = max(1, min(_pow2_at_least(nb), 4096 // EP))
+    _launch(_align_offsets_kernel)[(1,)](
+        counts, base, sorted_ids, block_expert, num_post, N, nb, max_padded, max_blocks, E=E, EP=EP, BM=block_m,
+        CB=cb, TAIL=TAIL, BB=BB, num_warps=8)
+    _launch(_align_scatter_kernel)[(nb,)](ids, base, sorted_ids, N, EP=EP, BLOCK=block, num_warps=4)
+    return sorted_ids, block_expert, num_post
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu
+    if ACT == 0:
+        return x / (1.0 + tl.exp(-x))
+    elif ACT == 1:
+        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(u) = 2 * sigmoid(2u)
+    else:
+        return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M consecutive M blocks sweep the N tiles together (weight tiles reused in L2)."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
+                    num_pairs, N, K, num_pid_m,
+                    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+                    TOP_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+    """inter[row, n] = act(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) for the BM rows of one expert block.
+    N = I (intermediate size), K = H. Weights [E, 2I or I, H] via strides."""
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
+    if pid_m * BM >= tl.load(num_post_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < num_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    w_base = w_ptr + e * stride_we
+    if GATED:
+        if INTERLEAVED:
+            up_rows = 2 * offs_n + 1
+            gate_rows = 2 * offs_n
+        else:
+            up_rows = offs_n + N
+            gate_rows = offs_n
+        g_ptrs = w_base + gate_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    else:
+        up_rows = offs_n
+    u_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - kk * BK
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if CAST_F32:
+            a = a.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_u = _mma(a, u, acc_u, IEEE)
+        if GATED:
+            if EVEN_K:
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if CAST_F32:
+                g = g.to(tl.float32)
+            acc_g = _mma(a, g, acc_g, IEEE)
+            g_ptrs += BK * stride_wk
+        a_ptrs += BK * stride_xk
+        u_ptrs += BK * stride_wk
+    if GATED:
+        h = _act(acc_g, ACT) * acc_u
+    else:
+        h = _act(acc_u, ACT)
+    out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, rw_ptr,
+                 num_pairs, N, K, num_pid_m, k_per_split,
+                 stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_bs, stride_bp, stride_bn,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+    """buf[split, pair, n] = rw[pair] * inter[row, k-range] @ w2[e, n, k-range]. N = H, K = I."""
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
+    pid_k = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_post_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    k_lo = pid_k * k_per_split
+    offs_k = k_lo + tl.arange(0, BK)
+    a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :] * stride_ik
+    b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (offs_k + (k0 - k_lo)) < k_hi
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if CAST_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = _mma(a, b, acc, IEEE)
+        a_ptrs += BK * stride_ik
+        b_ptrs += BK * stride_wk
+    rw = tl.load(rw_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    out_ptrs = buf_ptr + pid_k * stride_bs + pair[:, None].to(tl.int64) * stride_bp + offs_n[None, :] * stride_bn
+    tl.store(out_ptrs, acc.to(buf_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(buf_ptr, out_ptr, N, stride_bs, stride_bp, stride_ot,
+                    TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr):
+    """out[t] = sum_{split, j} buf[split, t*k + j] (fixed order: deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = offs < N
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(buf_ptr + s * stride_bs + (t * TOP_K + j) * stride_bp + offs, mask=ok, other=0.0
+                           ).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_experts_args(x, w13, w2, weights, ids, gated, activation):
+    assert x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}"
+    T, H = x.shape
+    assert w13.dim() == 3 and w2.dim() == 3, "w13 / w2 must be [E, out, in]"
+    E, H2, I = w2.shape
+    assert H2 == H and w13.shape[0] == E and w13.shape[2] == H, (
+        f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    assert w13.shape[1] == (2 * I if gated else I), (
+        f"w13 has {w13.shape[1]} rows; expected {'2I' if gated else 'I'} with I={I} (gated={gated})")
+    assert weights.shape == ids.shape and ids.shape[0] == T, (
+        f"weights {tuple(weights.shape)} / ids {tuple(ids.shape)} must both be [T={T}, k]")
+    if activation not in _ACT_ID:
+        raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
+    # everything but T is a model constant: plain ints (hashable config keys, no symbolic sizes under compile)
+    return T, int(H), int(E), int(I), int(ids.shape[1])
+
+
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   *, gated: bool, interleaved: bool, activation: str, config: dict | None = None) -> torch.Tensor:
+    """Same contract as reference.experts. ``config`` overrides ``config_for`` (tests, tuning)."""
+    T, H, E, I, top_k = _check_experts_args(x, w13, w2, weights, ids, gated, activation)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    assert w13.dtype == w2.dtype, f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must share a dtype"
+    cfg = config or config_for(T, E, H, I, top_k, w13.element_size())
+    if cfg["down"].get("SPLIT_K") is None:  # a hand-written config (tests, sweeps) may leave it to the heuristic
+        cfg = {**cfg, "down": {**cfg["down"], "SPLIT_K": _split_k_heuristic(
+            min(bucket_for(T), 1 << 20), E, H, I, top_k, cfg)}}
+    BM, up, down = cfg["BM"], cfg["up"], cfg["down"]
+    num_pairs = T * top_k
+    sorted_ids, block_expert, num_post = align_triton(ids, E, BM)
+    max_padded, _, grid_m = align_sizes(num_pairs, E, BM)
+    out_dtype = x.dtype
+    if x.dtype != w13.dtype:  # e.g. fp32 activations under autocast with bf16 experts: compute in the weights' dtype
+        x = x.to(w13.dtype)
+    cast, ieee = _cast_f32(x.dtype), _ieee(x.dtype)
+
+    inter = torch.empty(max_padded, I, dtype=w2.dtype, device=x.device)
+    grid = (grid_m * triton.cdiv(I, up["BN"]),)
+    _launch(_gate_up_kernel)[grid](
+        x, w13, inter, sorted_ids, block_expert, num_post, num_pairs, I, H, grid_m,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        TOP_K=top_k, GATED=bool(gated), INTERLEAVED=bool(interleaved), ACT=_ACT_ID[activation],
+        BM=BM, BN=up["BN"], BK=up["BK"], GROUP_M=up["GROUP_M"], EVEN_K=H % up["BK"] == 0,
+        CAST_F32=cast, IEEE=ieee, num_warps=up["warps"], num_stages=up["stages"])
+
+    split = max(1, int(down["SPLIT_K"]))
+    k_per_split = triton.cdiv(triton.cdiv(I, down["BK"]), split) * down["BK"]
+    split = triton.cdiv(I, k_per_split)  # no empty splits
+    buf_dtype = torch.float32 if split > 1 else out_dtype
+    buf = torch.empty(split, num_pairs, H, dtype=buf_dtype, device=x.device)
+    rw = weights.contiguous()
+    grid = (grid_m * triton.cdiv(H, down["BN"]), split)
+    _launch(_down_kernel)[grid](
+        inter, w2, buf, sorted_ids, block_expert, num_post, rw, num_pairs, H, I, grid_m, k_per_split,
+        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        BM=BM, BN=down["BN"], BK=down["BK"], GROUP_M=down["GROUP_M"], EVEN_K=k_per_split % down["BK"] == 0
+        and I % k_per_split == 0, CAST_F32=cast, IEEE=ieee, num_warps=down["warps"], num_stages=down["stages"])
+
+    assert out.stride(1) == 1
+    bn = min(1024, triton.next_power_of_2(H))
+    _launch(_combine_kernel)[(T, triton.cdiv(H, bn))](
+        buf, out, H, buf.stride(0), buf.stride(1), out.stride(0), TOP_K=top_k, SPLIT_K=split, BN=bn, num_warps=4)
+    return out
+
+
+def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
+               w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
+               topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
+               config: dict | None = None) -> torch.Tensor:
+    """Route + align + experts; same contract as reference.moe."""
+    if router_fp32:
+        logits = F.linear(x.float(), router_w.float())
+    else:
+        logits = F.linear(x, router_w.to(x.dtype))
+    weights, ids = route_triton(logits, router_bias, method=method, top_k=top_k, renormalize=renormalize,
+                                scale=scale, n_group=n_group, topk_group=topk_group)
+    return experts_triton(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation,
+                          config=config)

@@ -1,0 +1,139 @@
+"""Plain torch mixture-of-experts: the CPU path of the ``hybrid::moe*`` ops and the test oracle.
+
+Shape-static (no ``.item()``, no ``nonzero``): the bodies double as fake implementations. Math in fp32.
+
+Routing methods (each exactly as Hugging Face computes it; ``scale`` = routed scaling factor, 1.0 if none):
+  - ``softmax_topk``: softmax -> top-k (-> / sum when ``renormalize``) * scale
+        (Mixtral, Qwen3Moe with norm_topk_prob, Jamba without renorm, DeepSeek-V2 "greedy").
+  - ``topk_softmax``: top-k of the logits -> softmax over the k values * scale.
+  - ``sigmoid_group_topk``: DeepSeek-V3 ``DeepseekV3TopkRouter``: s = sigmoid; c = s + bias; a group scores the
+        sum of its top-2 c; keep ``topk_group`` groups; top-k of c -> ids; weights = s at ids
+        (-> / (sum + 1e-20) when ``renormalize``) * scale.
+  - ``softmax_group_topk``: DeepSeek-V2 "group_limited_greedy": p = softmax; a group scores its max p; keep
+        ``topk_group`` groups (the others' p set to 0.0); top-k -> ids, weights = p at ids * scale.
+
+Memory traffic of ``experts`` (the fused kernel's roofline): every touched expert's weights once,
+3 * H * I elements per expert (gated), plus x [T, H] and out [T, H].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def check_route_args(num_experts: int, method: str, top_k: int, n_group: int, topk_group: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown MoE routing method {method!r}; expected one of {METHODS}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if method.endswith("group_topk"):
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+
+
+def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, top2: bool) -> torch.Tensor:
+    """[T, E] bool: experts whose group is among the ``topk_group`` best groups of ``choice``."""
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)
+    if top2:  # DeepSeek-V3: a group scores the sum of its two best experts
+        group_scores = grouped.topk(min(2, E // n_group), dim=-1)[0].sum(dim=-1)
+    else:  # DeepSeek-V2 group_limited_greedy: a group scores its best expert
+        group_scores = grouped.max(dim=-1).values
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    return group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E).bool()
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int, renormalize: bool,
+          scale: float, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]). ``bias`` [E] (DeepSeek-V3 score correction)."""
+    check_route_args(logits.shape[-1], method, top_k, n_group, topk_group)
+    logits = logits.float()
+    if method == "softmax_topk":
+        weights, ids = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif method == "topk_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        weights = top.softmax(dim=-1)  # already sums to 1: renormalize is a no-op
+    elif method == "sigmoid_group_topk":
+        scores = logits.sigmoid()
+        choice = scores + bias.float() if bias is not None else scores
+        keep = _group_mask(choice, n_group, topk_group, top2=True)
+        choice = choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:  # softmax_group_topk
+        probs = logits.softmax(dim=-1)
+        keep = _group_mask(probs, n_group, topk_group, top2=False)
+        probs = probs.masked_fill(~keep, 0.0)
+        weights, ids = torch.topk(probs, top_k, dim=-1, sorted=False)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, ids.to(torch.int32)
+
+
+def activation_fn(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return lambda v: F.gelu(v, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unknown MoE activation {name!r}; expected one of {ACTIVATIONS}")
+
+
+def split_gate_up(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[.., 2I] -> gate [.., I], up [.., I] (concatenated [gate; up] or interleaved g0 u0 g1 u1 ...)."""
+    if interleaved:
+        return h[..., 0::2], h[..., 1::2]
+    return h.chunk(2, dim=-1)
+
+
+def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
+            gated: bool, interleaved: bool, activation: str) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gated) or [E, I, H], w2 [E, H, I], weights [T, k], ids [T, k] -> [T, H] x.dtype.
+
+    Dense over experts: every expert runs on every token and a per-token coefficient (the routing weight, or 0)
+    selects. E/k times the FLOPs of a sparse loop, but shape-static (the CPU fallback and the fake impl)."""
+    act = activation_fn(activation)
+    E = w13.shape[0]
+    xf = x.float()
+    wf = weights.float()
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(E):
+        coef = (wf * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
+        h = xf @ w13[e].float().t()
+        if gated:
+            gate, up = split_gate_up(h, interleaved)
+            a = act(gate) * up
+        else:
+            a = act(h)
+        out = out + coef * (a @ w2[e].float().t())
+    return out.to(x.dtype)
+
+
+def router_logits(x: torch.Tensor, router_w: torch.Tensor, router_fp32: bool) -> torch.Tensor:
+    """fp32 [T, E]: in fp32 (DeepSeek) or in x.dtype then widened (Mixtral, Qwen3Moe, Jamba)."""
+    if router_fp32:
+        return F.linear(x.float(), router_w.float())
+    return F.linear(x, router_w.to(x.dtype)).float()
+
+
+def moe(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
+        w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
+        topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool) -> torch.Tensor:
+    """Routed experts of one MoE block: x [T, H] -> [T, H] (shared experts are not part of it)."""
+    logits = router_logits(x, router_w, router_fp32)
+    weights, ids = route(logits, router_bias, method=method, top_k=top_k, renormalize=renormalize, scale=scale,
+                         n_group=n_group, topk_group=topk_group)
+    return experts(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation)

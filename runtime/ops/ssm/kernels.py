@@ -1,0 +1,67 @@
+"""Triton side of the SSM ops: the tunable launch parameters (``CONFIG``, one dict for every kernel) and
+the launchers, which live in conv.py / scan.py / ssd.py / norm.py and are re-exported here lazily
+(``from runtime.ops.ssm.kernels import ssd_scan_triton``).
+
+Launch configs are pure functions of shapes and of ``CONFIG`` (no run-time autotuning: CUDA-graph and
+AOT safe). Override entries (``CONFIG["ssd"]["BLOCK_M"] = 128``) before the first launch; bench/ssm.py
+prints the dict it ran with."""
+from __future__ import annotations
+
+import triton
+
+CONFIG: dict[str, dict] = {
+    # causal_conv1d prefill: tile [BLOCK_C channels, BLOCK_T steps] for channel-last x (HF: a split of
+    # in_proj's output, transposed), the *_TLAST pair when time is the contiguous dim
+    "conv": {"BLOCK_C": 128, "BLOCK_T": 16, "BLOCK_C_TLAST": 16, "BLOCK_T_TLAST": 128, "num_warps": 4},
+    # causal_conv1d_update (decode): one row, BLOCK_C channels per program
+    "conv_update": {"BLOCK_C": 256, "num_warps": 4},
+    # Mamba1 selective_scan: per program BLOCK_D channels x N states x BLOCK_T steps scanned at once;
+    # BLOCK_D = max(1, TILE // (N_pow2 * BLOCK_T))
+    "scan": {"BLOCK_T": 64, "TILE": 2048, "num_warps": 4},
+    # Mamba1 selective_state_update: state tile [BLOCK_D, N_pow2], BLOCK_D = max(1, TILE // N_pow2)
+    "scan_update": {"TILE": 2048, "num_warps": 4},
+    # SSD chunked scan. CHUNK = 0: use the caller's chunk_size (rounded up to a power of two, clamped to
+    # [16, 256]); results do not depend on it beyond rounding. BLOCK_M/BLOCK_K: output/source sub-blocks
+    # inside a chunk (<= chunk). BLOCK_P: head-dim block. PASS_BLOCK: state elements per program in the
+    # chunk-to-chunk pass. CB: precompute C.B^T per (chunk, group) once and share it across heads.
+    "ssd": {
+        "CHUNK": 0,
+        "BLOCK_M": 64,
+        "BLOCK_K": 64,
+        "BLOCK_P": 64,
+        "PASS_BLOCK": 1024,
+        "CB": True,
+        "num_warps": 4,
+        "num_stages": 2,
+        "state_num_warps": 4,
+        "pass_num_warps": 4,
+    },
+    # ssd_state_update (decode): state tile [BLOCK_P, N_pow2], BLOCK_P = max(1, TILE // N_pow2)
+    "ssd_update": {"TILE": 4096, "num_warps": 4},
+    # gated RMSNorm: rows of one group, BLOCK_G = next_pow2(group_size); BLOCK_R rows per program
+    "norm": {"ELEMS": 4096, "num_warps": 4, "big_num_warps": 8},
+}
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+_LAUNCHERS = {
+    "causal_conv1d_triton": "conv",
+    "causal_conv1d_update_triton": "conv",
+    "selective_scan_triton": "scan",
+    "selective_state_update_triton": "scan",
+    "ssd_scan_triton": "ssd",
+    "ssd_state_update_triton": "ssd",
+    "gated_rms_norm_triton": "norm",
+}
+__all__ = ["CONFIG", "next_pow2", *_LAUNCHERS]
+
+
+def __getattr__(name: str):
+    if name in _LAUNCHERS:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_LAUNCHERS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

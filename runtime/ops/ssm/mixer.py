@@ -1,0 +1,134 @@
+"""Whole Mamba mixers as single ops, as the SSM pass emits them (HF drop-in semantics).
+
+``hybrid::mamba_mixer`` / ``hybrid::mamba2_mixer``: prefill (any T): hidden [B, T, Hd] -> (out [B, T, Hd],
+conv_state [B, C, W], ssm_state fp32) with the states HF's cache keeps after a fresh prefill (W = conv kernel,
+the last W conv inputs, zero-padded on the left).
+``..._step``: decode (T=1): the HF cache's conv and ssm states are updated in place.
+The projections stay plain ``F.linear`` (cuBLAS through Inductor); conv, scan, state update and gated norm
+are the hybrid kernels. ``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
+after the conv).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.library import triton_op
+
+from ..library import op_name
+
+
+def _masked(h: Tensor, mask: Optional[Tensor]) -> Tensor:
+    return h if mask is None else (h * mask[:, :, None]).to(h.dtype)
+
+
+def _rms(x: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
+    if w is None:
+        return x
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _mamba1_params(xdbl: Tensor, dt_proj_w: Tensor, rank: int, n: int, dt_norm_w, b_norm_w, c_norm_w,
+                   norm_eps: float):
+    dt, b, c = torch.split(xdbl, [rank, n, n], dim=-1)
+    dt, b, c = _rms(dt, dt_norm_w, norm_eps), _rms(b, b_norm_w, norm_eps), _rms(c, c_norm_w, norm_eps)
+    return dt_proj_w @ dt.transpose(-1, -2), b, c  # dt [.., D, T]
+
+
+@triton_op(op_name("mamba_mixer"), mutates_args={})
+def _mamba_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                 conv_w: Tensor, conv_b: Optional[Tensor], x_proj_w: Tensor, dt_proj_w: Tensor,
+                 dt_proj_b: Optional[Tensor], A_log: Tensor, D: Tensor, out_proj_w: Tensor,
+                 out_proj_b: Optional[Tensor], dt_norm_w: Optional[Tensor], b_norm_w: Optional[Tensor],
+                 c_norm_w: Optional[Tensor], norm_eps: float, state_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mamba1 mixer prefill: hidden [B, T, Hd] -> (out, conv_state [B, D, W], ssm_state [B, D, N] fp32)."""
+    n = A_log.shape[1]
+    proj = F.linear(_masked(hidden, mask), in_proj_w, in_proj_b).transpose(1, 2)  # [B, 2D, T]
+    x, z = proj.chunk(2, dim=1)
+    xc, conv_state = torch.ops.hybrid.causal_conv1d(x, conv_w.reshape(conv_w.shape[0], -1), conv_b, None, "silu",
+                                                    state_width)
+    xc = _masked(xc.transpose(1, 2), mask)  # [B, T, D]
+    dt, b, c = _mamba1_params(F.linear(xc, x_proj_w), dt_proj_w, dt_proj_w.shape[1], n, dt_norm_w, b_norm_w,
+                              c_norm_w, norm_eps)
+    A = -torch.exp(A_log.float())
+    y, ssm_state = torch.ops.hybrid.selective_scan(
+        xc.transpose(1, 2), dt, A, b.transpose(1, 2), c.transpose(1, 2), D.float(), z,
+        None if dt_proj_b is None else dt_proj_b.float(), True, None)
+    out = F.linear(y.transpose(1, 2).to(hidden.dtype), out_proj_w, out_proj_b)
+    return out, conv_state, ssm_state
+
+
+@triton_op(op_name("mamba_mixer_step"), mutates_args={"conv_state", "ssm_state"})
+def _mamba_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                      conv_w: Tensor, conv_b: Optional[Tensor], x_proj_w: Tensor, dt_proj_w: Tensor,
+                      dt_proj_b: Optional[Tensor], A_log: Tensor, D: Tensor, out_proj_w: Tensor,
+                      out_proj_b: Optional[Tensor], dt_norm_w: Optional[Tensor], b_norm_w: Optional[Tensor],
+                      c_norm_w: Optional[Tensor], norm_eps: float, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+    """Mamba1 mixer decode: hidden [B, 1, Hd]; conv_state [B, D, W] and ssm_state [B, D, N] updated in place."""
+    n = A_log.shape[1]
+    proj = F.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0]  # [B, 2D]
+    x, z = proj.chunk(2, dim=-1)
+    xc = torch.ops.hybrid.causal_conv1d_update(x, conv_state, conv_w.reshape(conv_w.shape[0], -1), conv_b,
+                                               "silu", None)
+    xc = _masked(xc[:, None], mask)[:, 0]
+    dt, b, c = _mamba1_params(F.linear(xc, x_proj_w)[:, None], dt_proj_w, dt_proj_w.shape[1], n, dt_norm_w,
+                              b_norm_w, c_norm_w, norm_eps)
+    A = -torch.exp(A_log.float())
+    y = torch.ops.hybrid.selective_state_update(ssm_state, xc, dt[..., 0], A, b[:, 0], c[:, 0], D, z,
+                                                None if dt_proj_b is None else dt_proj_b.float(), True, None)
+    return F.linear(y[:, None].to(hidden.dtype), out_proj_w, out_proj_b)
+
+
+def _mamba2_split(proj: Tensor, d_inner: int, conv_dim: int):
+    return torch.split(proj, [d_inner, conv_dim, proj.shape[-1] - d_inner - conv_dim], dim=-1)
+
+
+@triton_op(op_name("mamba2_mixer"), mutates_args={})
+def _mamba2_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                  conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
+                  norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
+                  chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float,
+                  state_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mamba2 mixer prefill: hidden [B, T, Hd] -> (out, conv_state [B, C, W], ssm_state [B, H, P, N] fp32)."""
+    bsz, t = hidden.shape[0], hidden.shape[1]
+    heads = A_log.shape[0]
+    d_inner = heads * head_dim
+    conv_dim = conv_w.shape[0]
+    n = (conv_dim - d_inner) // (2 * groups)
+    gate, xbc, dt = _mamba2_split(F.linear(_masked(hidden, mask), in_proj_w, in_proj_b), d_inner, conv_dim)
+    xbc, conv_state = torch.ops.hybrid.causal_conv1d(xbc.transpose(1, 2), conv_w.reshape(conv_dim, -1), conv_b,
+                                                     None, "silu", state_width)
+    xbc = _masked(xbc.transpose(1, 2), mask)
+    x, b, c = torch.split(xbc, [d_inner, groups * n, groups * n], dim=-1)
+    y, ssm_state = torch.ops.hybrid.ssd_scan(
+        x.reshape(bsz, t, heads, head_dim), dt, -torch.exp(A_log.float()), b.reshape(bsz, t, groups, n),
+        c.reshape(bsz, t, groups, n), chunk_size, D, None, dt_bias, True, dt_min, dt_max, None)
+    y = torch.ops.hybrid.gated_rms_norm(y.reshape(bsz, t, d_inner), gate, norm_w, eps, norm_group)
+    return F.linear(y.to(hidden.dtype), out_proj_w, out_proj_b), conv_state, ssm_state
+
+
+@triton_op(op_name("mamba2_mixer_step"), mutates_args={"conv_state", "ssm_state"})
+def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                       conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
+                       norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
+                       eps: float, norm_group: int, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+    """Mamba2 mixer decode: hidden [B, 1, Hd]; conv_state [B, C, W] and ssm_state [B, H, P, N] in place.
+    Like HF's decode path, dt is not clamped to the time-step limit."""
+    bsz = hidden.shape[0]
+    heads = A_log.shape[0]
+    d_inner = heads * head_dim
+    conv_dim = conv_w.shape[0]
+    n = (conv_dim - d_inner) // (2 * groups)
+    gate, xbc, dt = _mamba2_split(F.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0], d_inner, conv_dim)
+    xbc = torch.ops.hybrid.causal_conv1d_update(xbc, conv_state, conv_w.reshape(conv_dim, -1), conv_b, "silu",
+                                                None)
+    xbc = _masked(xbc[:, None], mask)[:, 0]
+    x, b, c = torch.split(xbc, [d_inner, groups * n, groups * n], dim=-1)
+    y = torch.ops.hybrid.ssd_state_update(ssm_state, x.reshape(bsz, heads, head_dim), dt,
+                                          -torch.exp(A_log.float()), b.reshape(bsz, groups, n),
+                                          c.reshape(bsz, groups, n), D, None, dt_bias, True, 0.0, float("inf"), None)
+    y = torch.ops.hybrid.gated_rms_norm(y.reshape(bsz, 1, d_inner), gate[:, None], norm_w, eps, norm_group)
+    return F.linear(y.to(hidden.dtype), out_proj_w, out_proj_b)

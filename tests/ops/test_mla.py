@@ -1,0 +1,371 @@
+"""MLA ops: paged cache write, split-KV decode, ragged prefill and the dense drop-in, each against the plain
+torch reference (Triton through the interpreter on CPU, fp32), the reference against HF's expanded math,
+and the absorbed drop-in against tiny HF DeepseekV2/V3 models (prefill + decode with a DynamicCache)."""
+import pytest
+import torch
+
+from runtime.ops.mla import kernels, reference as ref
+from runtime.ops.mla import mla_attention_dense, mla_cache_write, mla_decode, mla_prefill
+
+SCALE = 0.37
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: Triton through the interpreter (fp32)
+
+
+def _paged(seq_lens, L, R, block_size, spare=3, seed=0):
+    """Random cache with shuffled, non-contiguous blocks; table entries past each sequence's end are -1."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(max(need), 1) + 1
+    nb = sum(need) + spare
+    cache = torch.randn(nb, block_size, L + R, generator=g)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[used:used + n].int()
+        used += n
+    return cache.to(DEV), bt.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEV).to(dtype)
+
+
+def _triton_ops(monkeypatch):
+    monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+
+
+# ---------------------------------------------------------------------------------------------- cache write
+@pytest.mark.parametrize("impl", ["ref", "triton", "op"])
+def test_cache_write(impl, monkeypatch):
+    L, R, bs = 32, 8, 16
+    cache = randn(5, bs, L + R)
+    before = cache.clone()
+    slots = torch.tensor([3, -1, 16, 79, 17, -1, 40], device=DEV)   # crosses blocks, skips two rows
+    lat, rope = randn(7, L), randn(7, R)
+    if impl == "ref":
+        ref.mla_cache_write_ref(cache, lat, rope, slots)
+    elif impl == "triton":
+        kernels.mla_cache_write_triton(cache, lat, rope, slots)
+    else:
+        _triton_ops(monkeypatch)
+        assert mla_cache_write(cache, lat, rope, slots) is None
+    flat, flat0 = cache.view(-1, L + R), before.view(-1, L + R)
+    written = torch.zeros(flat.shape[0], dtype=torch.bool, device=DEV)
+    for n, s in enumerate(slots.tolist()):
+        if s >= 0:
+            torch.testing.assert_close(flat[s], torch.cat([lat[n], rope[n]]), rtol=0, atol=0)
+            written[s] = True
+    torch.testing.assert_close(flat[~written], flat0[~written], rtol=0, atol=0)   # untouched slots unchanged
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_cache_write_all_skipped(impl):
+    cache = randn(2, 16, 40)
+    before = cache.clone()
+    fn = ref.mla_cache_write_ref if impl == "ref" else kernels.mla_cache_write_triton
+    fn(cache, randn(3, 32), randn(3, 8), torch.tensor([-1, -1, -1], device=DEV))
+    torch.testing.assert_close(cache, before, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+@pytest.mark.parametrize("L,R,H,block_size,block_n", [(32, 8, 3, 16, 64), (32, 8, 3, 64, 16), (64, 16, 5, 16, 32)])
+def test_decode_matches_reference(L, R, H, block_size, block_n):
+    seq_lens = [1, 17, 300, 0, 64]
+    cache, bt, sl = _paged(seq_lens, L, R, block_size)
+    q_lat, q_rope = randn(len(seq_lens), H, L), randn(len(seq_lens), H, R)
+    want = ref.mla_decode_ref(q_lat, q_rope, cache, bt, sl, SCALE)
+    assert torch.isfinite(want).all() and (want[3] == 0).all()          # seq_len 0 -> zeros
+    outs = [kernels.mla_decode_triton(q_lat, q_rope, cache, bt, sl, SCALE, num_splits=ns,
+                                      config={"block_n": block_n}) for ns in (1, 3, 0)]
+    for got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # split == no split
+
+
+def test_decode_strided_queries_and_op(monkeypatch):
+    L, R, H = 32, 8, 3
+    cache, bt, sl = _paged([5, 33], L, R, 16, seed=1)
+    q = randn(2, H, L + R + 4)                                          # q_lat / q_rope as strided views
+    q_lat, q_rope = q[..., :L], q[..., L:L + R]
+    want = ref.mla_decode_ref(q_lat, q_rope, cache, bt, sl, SCALE)
+    _triton_ops(monkeypatch)
+    torch.testing.assert_close(mla_decode(q_lat, q_rope, cache, bt, sl, scale=SCALE, num_splits=2), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_choose_num_splits_is_shape_only():
+    assert kernels.choose_num_splits(1024, 16384, 64) == 1                  # enough programs already
+    assert kernels.choose_num_splits(1, 16384, 64) == 64                    # capped by max_splits
+    assert kernels.choose_num_splits(8, 1024, 64) == 4                      # capped by min_tokens per split
+    assert kernels.choose_num_splits(8, 0, 64) == 1
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+@pytest.mark.parametrize("L,R,H,block_size,config", [
+    (32, 8, 3, 16, None), (32, 8, 3, 64, {"block_m": 16, "block_n": 16}), (64, 16, 3, 16, {"block_m": 8})])
+def test_prefill_matches_reference(L, R, H, block_size, config):
+    # (cached prefix + new tokens): 295 + 5, fresh prompt 17, single token, 40 new over 260 cached, 1 + 0
+    seq_lens = [300, 17, 1, 300, 1]
+    q_lens = [5, 17, 1, 40, 0]
+    cache, bt, sl = _paged(seq_lens, L, R, block_size, seed=2)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    Tq = int(qsl[-1])
+    q_lat, q_rope = randn(Tq, H, L), randn(Tq, H, R)
+    want = ref.mla_prefill_ref(q_lat, q_rope, cache, bt, sl, qsl, SCALE)
+    got = kernels.mla_prefill_triton(q_lat, q_rope, cache, bt, sl, qsl, SCALE, config=config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_reference_brute_force():
+    """The (vectorised) prefill reference against a per-query loop; and decode == prefill with q_len 1."""
+    L, R, H = 32, 8, 2
+    seq_lens, q_lens = [20, 7], [4, 7]
+    cache, bt, sl = _paged(seq_lens, L, R, 16, seed=3)
+    qsl = torch.tensor([0, 4, 11], dtype=torch.int32, device=DEV)
+    q_lat, q_rope = randn(11, H, L), randn(11, H, R)
+    got = ref.mla_prefill_ref(q_lat, q_rope, cache, bt, sl, qsl, SCALE)
+    kv = ref._gather_pages(cache, bt)
+    for b in range(2):
+        for i in range(q_lens[b]):
+            t, pos = int(qsl[b]) + i, seq_lens[b] - q_lens[b] + i
+            k = kv[b, :pos + 1]
+            p = torch.softmax((q_lat[t] @ k[:, :L].T + q_rope[t] @ k[:, L:].T) * SCALE, -1)
+            torch.testing.assert_close(got[t], p @ k[:, :L], rtol=1e-5, atol=1e-5)
+    last = qsl[1:] - 1
+    torch.testing.assert_close(ref.mla_decode_ref(q_lat[last], q_rope[last], cache, bt, sl, SCALE), got[last])
+
+
+def test_prefill_op(monkeypatch):
+    L, R, H = 32, 8, 3
+    cache, bt, sl = _paged([9, 3], L, R, 16, seed=4)
+    qsl = torch.tensor([0, 9, 11], dtype=torch.int32, device=DEV)
+    q_lat, q_rope = randn(11, H, L), randn(11, H, R)
+    want = ref.mla_prefill_ref(q_lat, q_rope, cache, bt, sl, qsl, SCALE)
+    _triton_ops(monkeypatch)
+    torch.testing.assert_close(mla_prefill(q_lat, q_rope, cache, bt, sl, qsl, scale=SCALE), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- dense
+def _dense_inputs(B, H, T, S, L=32, R=8, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, L + R, generator=g).permute(0, 2, 1, 3)     # non-contiguous, like HF's transpose
+    kv = torch.randn(B, S, L + R + 3, generator=g)                        # latent / rope as strided slices
+    q, kv = q.to(DEV), kv.to(DEV)
+    return q[..., :L], q[..., L:], kv[..., :L], kv[..., L:L + R]
+
+
+def _masks(B, T, S):
+    g = torch.Generator().manual_seed(6)
+    bool_mask = torch.rand(B, 1, T, S, generator=g) > 0.4
+    bool_mask[0, 0, 1] = False                                            # one fully masked row
+    float_mask = torch.randn(1, 1, T, S, generator=g)
+    float_mask[..., 1, :3] = float("-inf")
+    float_mask[..., 2, :] = torch.finfo(torch.float32).min               # SDPA: uniform row, finite
+    float_mask[..., 3, :] = float("-inf")                                 # SDPA: NaN row; ours: zeros
+    bool_mask, float_mask = bool_mask.to(DEV), float_mask.to(DEV)
+    return {"none": (None, False), "causal": (None, True), "bool": (bool_mask, False),
+            "float": (float_mask, False), "bool+causal": (bool_mask, True)}
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float", "bool+causal"])
+@pytest.mark.parametrize("T,S", [(5, 5), (5, 23)])
+def test_dense_matches_reference(kind, T, S):
+    B, H = 2, 3
+    q_lat, q_rope, lat, krope = _dense_inputs(B, H, T, S)
+    mask, causal = _masks(B, T, S)[kind]
+    want = ref.mla_attention_dense_ref(q_lat, q_rope, lat, krope, mask, causal, SCALE)
+    assert torch.isfinite(want).all()
+    got = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, krope, mask, causal, SCALE,
+                                             config={"block_m": 8, "block_n": 16})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if kind in ("bool", "float"):
+        assert (got[0, :, 1 if kind == "bool" else 3] == 0).all()         # fully masked rows -> zeros
+
+
+def test_dense_matches_sdpa_where_sdpa_is_defined():
+    """Against torch SDPA with expanded K/V (= latent): same semantics for bool/float masks and causal T == S."""
+    B, H, T, S = 2, 3, 6, 6
+    q_lat, q_rope, lat, krope = _dense_inputs(B, H, T, S)
+    q = torch.cat([q_lat, q_rope], -1)
+    k = torch.cat([lat, krope], -1)[:, None].expand(B, H, S, -1)
+    v = lat[:, None].expand(B, H, S, -1)
+    bool_mask = torch.rand(B, 1, T, S, device=DEV) > 0.3
+    bool_mask[..., 0] = True
+    float_mask = torch.where(bool_mask, 0.0, torch.finfo(torch.float32).min)
+    float_mask[0, 0, 2] = torch.finfo(torch.float32).min                  # finite fully-biased row: uniform
+    for mask, causal in [(None, True), (None, False), (bool_mask, False), (float_mask, False)]:
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=SCALE)
+        got = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, krope, mask, causal, SCALE)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_decode_split_and_op(monkeypatch):
+    B, H, S = 2, 3, 150
+    q_lat, q_rope, lat, krope = _dense_inputs(B, H, 1, S)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=DEV)
+    mask[1, ..., :40] = False                                             # left padding
+    want = ref.mla_attention_dense_ref(q_lat, q_rope, lat, krope, mask, False, SCALE)
+    a = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, krope, mask, False, SCALE, num_splits=1)
+    b = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, krope, mask, False, SCALE, num_splits=4,
+                                           config={"block_n": 16})
+    torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-5)
+    _triton_ops(monkeypatch)
+    torch.testing.assert_close(mla_attention_dense(q_lat, q_rope, lat, krope, mask, scale=SCALE), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- absorbed math
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float"])
+def test_reference_matches_expanded_attention(kind):
+    """Absorbed (q_lat = q_nope W_UK, o = o_lat W_UV^T) == HF's expanded keys/values."""
+    B, H, T, S, L, R, P, V = 2, 3, 5, 23, 32, 8, 16, 12
+    g = torch.Generator().manual_seed(7)
+    q_nope, q_rope = torch.randn(B, H, T, P, generator=g), torch.randn(B, H, T, R, generator=g)
+    lat, krope = torch.randn(B, S, L, generator=g), torch.randn(B, S, R, generator=g)
+    w = torch.randn(H * (P + V), L, generator=g) * 0.2
+    q_nope, q_rope, lat, krope, w = (t.to(DEV) for t in (q_nope, q_rope, lat, krope, w))
+    mask, causal = _masks(B, T, S)[kind]
+    if kind == "float":
+        mask = mask.clamp(min=-1e4)                                       # no -inf rows: SDPA would NaN
+    want = ref.expanded_attention_ref(q_nope, q_rope, lat, krope, w, V, mask, causal, SCALE)
+    w_uk, w_uv = ref.split_kv_b(w, H, P, V)
+    q_lat = ref.absorb_q(q_nope.transpose(1, 2), w_uk).transpose(1, 2)
+    o_lat = ref.mla_attention_dense_ref(q_lat, q_rope, lat, krope, mask, causal, SCALE)
+    got = ref.unabsorb_out(o_lat.transpose(1, 2), w_uv).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- HF drop-in
+_CACHE = {}
+
+
+def _cached(cache, idx):
+    """(keys, values) of layer idx as [B, S, *] (HF stores the latent as keys, k_rope as values)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[idx].keys[:, 0], cache.layers[idx].values[:, 0]
+    return cache.key_cache[idx][:, 0], cache.value_cache[idx][:, 0]         # older transformers
+
+
+def _cache_kwarg(model):
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _absorbed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What the graph pass substitutes for HF's expand_kv + SDPA: attention over the cached latent."""
+    latent, k_rope = _cached(_CACHE["cache"], module.layer_idx)         # [B, S, L], [B, S, R] (post-RoPE)
+    P = module.qk_nope_head_dim
+    w_uk, w_uv = ref.split_kv_b(module.kv_b_proj.weight, module.num_heads, P, module.v_head_dim)
+    q_lat = ref.absorb_q(query[..., :P].transpose(1, 2), w_uk).transpose(1, 2)        # [B, H, T, L]
+    # HF's sdpa_attention_forward: is_causal only for T > 1 without a mask
+    is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    o_lat = mla_attention_dense(q_lat, query[..., P:], latent, k_rope, attention_mask, is_causal=is_causal,
+                                scale=scaling)
+    _CACHE["calls"].append(None if attention_mask is None else attention_mask.dtype)
+    return ref.unabsorb_out(o_lat.transpose(1, 2), w_uv), None            # [B, T, H, V]
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_absorbed_drop_in_reproduces_hf(family, impl, monkeypatch):
+    from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+    from transformers.masking_utils import sdpa_mask
+    if family == "v2":
+        from transformers import DeepseekV2Config as Config
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Model as Model
+    else:
+        from transformers import DeepseekV3Config as Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Model as Model
+    AttentionInterface.register("hybrid_mla_test", _absorbed_attention)
+    AttentionMaskInterface.register("hybrid_mla_test", sdpa_mask)          # same masks as sdpa
+    if impl == "triton":
+        _triton_ops(monkeypatch)
+    torch.manual_seed(8)
+    cfg = Config(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=3,
+                 num_key_value_heads=3, kv_lora_rank=32, q_lora_rank=24 if family == "v3" else None,
+                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1,
+                 max_position_embeddings=64, attn_implementation="sdpa")
+    model = Model(cfg).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.to(DEV)
+    ids = torch.randint(0, 50, (2, 7), device=DEV)
+    pad = torch.ones(2, 7, dtype=torch.long, device=DEV)
+    pad[1, :3] = 0                                                        # left padding -> bool masks
+    for attn_mask in (None, pad):
+        outs = {}
+        for name in ("sdpa", "hybrid_mla_test"):
+            model.set_attn_implementation(name)
+            cache = DynamicCache(config=cfg)
+            _CACHE.update(cache=cache, calls=[])
+            with torch.no_grad():
+                kw = {_cache_kwarg(model): cache, "use_cache": True}
+                prefill = model(input_ids=ids, attention_mask=attn_mask, **kw).last_hidden_state
+                m2 = None if attn_mask is None else torch.cat([attn_mask, torch.ones_like(attn_mask[:, :1])], 1)
+                decode = model(input_ids=ids[:, :1], attention_mask=m2, **kw).last_hidden_state
+            outs[name] = (prefill, decode)
+        calls = _CACHE["calls"]
+        assert calls == ([None, None] if attn_mask is None else [torch.bool, torch.bool])
+        assert [t.shape[-1] for t in _cached(cache, 0)] == [32, 8]              # HF caches the latent
+        (want_p, want_d), (got_p, got_d) = outs["sdpa"], outs["hybrid_mla_test"]
+        assert torch.isfinite(got_p).all()
+        valid = slice(None) if attn_mask is None else attn_mask.bool()  # padded queries: SDPA backends differ
+        torch.testing.assert_close(got_p[valid], want_p[valid], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_d, want_d, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def test_ops_under_torch_compile():
+    """Cache write (mutating) + decode through Inductor on CPU (reference bodies), one graph."""
+    L, R, H = 32, 8, 3
+    cache, bt, sl = _paged([5, 20], L, R, 16, seed=9)
+    lat, rope = randn(2, L), randn(2, R)
+    slots = (bt[:, 0].long() * 16 + sl.long() - 1).clone()               # write each sequence's last token
+    q_lat, q_rope = randn(2, H, L), randn(2, H, R)
+
+    def step(cache, lat, rope, slots, q_lat, q_rope):
+        mla_cache_write(cache, lat, rope, slots)
+        return mla_decode(q_lat, q_rope, cache, bt, sl, scale=SCALE)
+
+    eager_cache = cache.clone()
+    want = step(eager_cache, lat, rope, slots, q_lat, q_rope)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(cache, lat, rope, slots, q_lat, q_rope)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(cache, eager_cache)                        # the in-place write survived
+
+
+# ---------------------------------------------------------------------------------------------- GPU, bf16
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels at DeepSeek widths need a GPU")
+@pytest.mark.parametrize("H", [16, 128])
+def test_bf16_deepseek_widths(H):
+    """The configs that ship (mma.sync at 16 heads, wgmma at 128), bf16 against the fp32 reference."""
+    L, R, bf16, scale = 512, 64, torch.bfloat16, 192 ** -0.5
+    tol = dict(rtol=2e-2, atol=3e-2)
+    seq_lens = [1, 100, 1000, 4097, 0, 64]
+    cache, bt, sl = _paged(seq_lens, L, R, 64, seed=10)
+    cache = cache.to(bf16)
+    q_lat, q_rope = randn(6, H, L, dtype=bf16), randn(6, H, R, dtype=bf16)
+    want = ref.mla_decode_ref(q_lat.float(), q_rope.float(), cache, bt, sl, scale)
+    for ns in (1, 0, 7):
+        got = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, sl, scale, num_splits=ns)
+        assert got.dtype == bf16
+        torch.testing.assert_close(got.float(), want, **tol)
+    q_lens = [1, 100, 300, 1, 0, 64]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    Tq = int(qsl[-1])
+    q_lat, q_rope = randn(Tq, H, L, dtype=bf16), randn(Tq, H, R, dtype=bf16)
+    want = ref.mla_prefill_ref(q_lat.float(), q_rope.float(), cache, bt, sl, qsl, scale)
+    got = kernels.mla_prefill_triton(q_lat, q_rope, cache, bt, sl, qsl, scale)
+    torch.testing.assert_close(got.float(), want, **tol)
+    B, T, S = 2, 7, 700
+    lat, krope = randn(B, S, L, dtype=bf16), randn(B, S, R, dtype=bf16)
+    mask = torch.rand(B, 1, T, S, device=DEV) > 0.2
+    for t, m, causal in ((1, None, False), (T, mask, False), (T, None, True)):
+        ql, qr = randn(B, H, t, L, dtype=bf16), randn(B, H, t, R, dtype=bf16)
+        want = ref.mla_attention_dense_ref(ql, qr, lat, krope, m, causal, scale)
+        got = kernels.mla_attention_dense_triton(ql, qr, lat, krope, m, causal, scale)
+        torch.testing.assert_close(got.float(), want.float(), **tol)

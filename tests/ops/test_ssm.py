@@ -1,0 +1,179 @@
+"""SSM ops as ``hybrid::`` ops: gated RMSNorm (Triton / reference / HF), every op through the dispatcher,
+under fake tensors on both paths (no value-dependent code), one torch.compile on the CPU, and a compile of
+every kernel for sm_90 through Triton's CUDA backend + ptxas (catches what the interpreter accepts but a GPU
+compile rejects)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+import runtime.ops.ssm  # noqa: F401  (registers torch.ops.hybrid.*)
+from runtime.ops.ssm import reference as ref
+from runtime.ops.ssm.kernels import gated_rms_norm_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[2]
+INF = float("inf")
+
+
+def rnd(*shape, dtype=torch.float32, g=None):
+    return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
+
+
+def close(a, b, tol=1e-5):
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = float((a - b).abs().max() / b.abs().max().clamp_min(1.0))
+    assert err <= tol, f"max error {err:.3e} (tol {tol:.0e})"
+
+
+@pytest.mark.parametrize("shape,gs,gate", [((2, 7, 48), 16, True), ((5, 40), 40, False), ((3, 2, 1, 24), 6, True)])
+def test_gated_rms_norm(shape, gs, gate):
+    g = torch.Generator().manual_seed(gs)
+    x = rnd(*shape, g=g)
+    z = rnd(*shape[:-1], shape[-1] + 8, g=g)[..., 8:] if gate else None  # a strided split, like HF's gate
+    norm = MambaRMSNormGated(shape[-1], gs, eps=1e-5).to(DEV)
+    norm.weight.data = rnd(shape[-1], g=g)
+    y_hf = norm(x, z)
+    close(ref.gated_rms_norm_ref(x, z, norm.weight, 1e-5, gs), y_hf, 0)
+    close(gated_rms_norm_triton(x, z, norm.weight, 1e-5, gs), y_hf)
+
+
+@pytest.mark.parametrize("xd,wd", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                   (torch.float32, torch.bfloat16)])
+def test_gated_rms_norm_ref_dtypes_vs_hf(xd, wd):
+    g = torch.Generator().manual_seed(1)
+    x, z = rnd(3, 32, g=g).to(xd), rnd(3, 32, g=g).to(xd)
+    norm = MambaRMSNormGated(32, 16, eps=1e-6)
+    norm.weight.data = torch.randn(32, generator=g).to(wd)
+    norm = norm.to(DEV)
+    y_hf, y = norm(x, z), ref.gated_rms_norm_ref(x, z, norm.weight, 1e-6, 16)
+    assert y.dtype == y_hf.dtype
+    close(y, y_hf, 0)
+
+
+def _op_cases(g):
+    """(op name, args, names of mutated args) for every op, small shapes."""
+    B, C, T, K, D, N, H, P, G = 2, 12, 9, 4, 8, 4, 4, 8, 2
+    idx = torch.tensor([1, -1], dtype=torch.int32, device=DEV)
+    return [
+        ("causal_conv1d", (rnd(B, C, T, g=g), rnd(C, K, g=g), rnd(C, g=g), rnd(B, C, K, g=g), "silu", K), ()),
+        ("causal_conv1d_update", (rnd(B, C, g=g), rnd(3, C, K, g=g), rnd(C, K, g=g), None, "silu", idx), (1,)),
+        ("selective_scan", (rnd(B, D, T, g=g), rnd(B, D, T, g=g), -torch.rand(D, N, generator=g).to(DEV) - 0.2,
+                            rnd(B, N, T, g=g), rnd(B, N, T, g=g), rnd(D, g=g), rnd(B, D, T, g=g), rnd(D, g=g),
+                            True, rnd(B, D, N, g=g)), ()),
+        ("selective_state_update", (rnd(3, D, N, g=g), rnd(B, D, g=g), rnd(B, D, g=g),
+                                    -torch.rand(D, N, generator=g).to(DEV) - 0.2, rnd(B, N, g=g), rnd(B, N, g=g),
+                                    rnd(D, g=g), None, rnd(D, g=g), True, idx), (0,)),
+        ("ssd_scan", (rnd(B, T, H, P, g=g), rnd(B, T, H, g=g), -torch.rand(H, generator=g).to(DEV) - 0.3,
+                      rnd(B, T, G, N, g=g), rnd(B, T, G, N, g=g), 16, rnd(H, g=g), None, rnd(H, g=g), True, 0.0,
+                      INF, rnd(B, H, P, N, g=g)), ()),
+        ("ssd_state_update", (rnd(3, H, P, N, g=g), rnd(B, H, P, g=g), rnd(B, H, g=g),
+                              -torch.rand(H, generator=g).to(DEV) - 0.3, rnd(B, G, N, g=g), rnd(B, G, N, g=g),
+                              rnd(H, g=g), rnd(B, H, P, g=g), rnd(H, g=g), True, 0.0, INF, idx), (0,)),
+        ("gated_rms_norm", (rnd(B, T, 16, g=g), rnd(B, T, 16, g=g), rnd(16, g=g), 1e-5, 8), ()),
+    ]
+
+
+REFS = {"causal_conv1d": ref.causal_conv1d_ref, "causal_conv1d_update": ref.causal_conv1d_update_ref,
+        "selective_scan": ref.selective_scan_ref, "selective_state_update": ref.selective_state_update_ref,
+        "ssd_scan": ref.ssd_scan_ref, "ssd_state_update": ref.ssd_state_update_ref,
+        "gated_rms_norm": ref.gated_rms_norm_ref}
+
+
+def _clone(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def test_ops_match_references():
+    """torch.ops.hybrid.* (reference body on the CPU, Triton on a GPU) == the references, outputs and
+    mutated states alike."""
+    for name, args, mutated in _op_cases(torch.Generator().manual_seed(0)):
+        a_op, a_ref = _clone(args), _clone(args)
+        out = getattr(torch.ops.hybrid, name)(*a_op)
+        exp = REFS[name](*a_ref)
+        for o, e in zip(out if isinstance(out, tuple) else (out,), exp if isinstance(exp, tuple) else (exp,)):
+            close(o, e, 1e-4)
+        for i in mutated:
+            close(a_op[i], a_ref[i], 1e-5)
+
+
+@pytest.mark.parametrize("triton_path", [False, True], ids=["reference", "triton"])
+def test_ops_under_fake_tensors(triton_path, monkeypatch):
+    """Both op bodies run on fake tensors (what torch.compile / export do): nothing reads values, and the
+    output shapes and dtypes match the real run. On the CPU the Triton path is forced with
+    HYBRID_TRITON_ON_CPU and its launches are captured instead of run (the interpreter would launch
+    even on fake tensors; on a GPU wrap_triton's fake path skips the launch itself)."""
+    from runtime.ops.ssm import conv, norm, scan, ssd
+
+    if triton_path and DEV == "cpu":
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+        launches = []
+
+        class _Capture:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                return lambda *a, **kw: launches.append(self.kernel.__name__)
+
+        for mod in (conv, scan, ssd, norm):
+            monkeypatch.setattr(mod, "wrap_triton", _Capture)
+    cases = _op_cases(torch.Generator().manual_seed(0))
+    reals = [REFS[name](*_clone(args)) for name, args, _ in cases]
+    with FakeTensorMode() as mode:
+        for (name, args, _), real in zip(cases, reals):
+            fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+            out = getattr(torch.ops.hybrid, name)(*fargs)
+            for o, e in zip(out if isinstance(out, tuple) else (out,), real if isinstance(real, tuple) else (real,)):
+                assert o.shape == e.shape and o.dtype == e.dtype, (name, o.shape, e.shape, o.dtype, e.dtype)
+    if triton_path and DEV == "cpu":
+        assert len(launches) >= len(cases), launches
+
+
+def test_torch_compile_decode_step():
+    """One compile: a Mamba2 decode step (conv update + SSD state update, both mutating cache inputs, then
+    the gated norm) under torch.compile == eager, caches included."""
+    g = torch.Generator().manual_seed(2)
+    B, H, P, G, N, K = 2, 4, 8, 1, 8, 4
+    C = H * P + 2 * G * N
+    conv_w, conv_b, A, Dk, db, nw = (rnd(C, K, g=g), rnd(C, g=g), -torch.rand(H, generator=g).to(DEV) - 0.3,
+                                     rnd(H, g=g), rnd(H, g=g), rnd(H * P, g=g))
+
+    def step(xbc, dt, z, conv_state, ssm_state, idx):
+        xbc = torch.ops.hybrid.causal_conv1d_update(xbc, conv_state, conv_w, conv_b, "silu", idx)
+        x, Bm, Cm = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
+        y = torch.ops.hybrid.ssd_state_update(ssm_state, x.view(B, H, P), dt, A, Bm.view(B, G, N),
+                                              Cm.view(B, G, N), Dk, None, db, True, 0.0, INF, idx)
+        return torch.ops.hybrid.gated_rms_norm(y.view(B, H * P), z, nw, 1e-5, H * P)
+
+    inputs = (rnd(B, C, g=g), rnd(B, H, g=g), rnd(B, H * P, g=g), rnd(3, C, K, g=g), rnd(3, H, P, N, g=g),
+              torch.tensor([2, 0], dtype=torch.int32, device=DEV))
+    eager_in, comp_in = _clone(inputs), _clone(inputs)
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(2):  # the second call runs on the states the first one wrote
+        close(compiled(*comp_in), step(*eager_in), 1e-5)
+    close(comp_in[3], eager_in[3], 1e-6)
+    close(comp_in[4], eager_in[4], 1e-6)
+
+
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return Path(get_ptxas(90).path).exists()
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="Triton's CUDA backend / ptxas not installed")
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ssm.py"), "--compile-check"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
