@@ -226,6 +226,33 @@ class Bench:
             return f"time budget ({family} compiles took {self.compile_spent[family]:.0f}s)"
         return None
 
+    def deadline(self, family: str):
+        """Interrupt a compile that would overrun this family's share of the budget (SIGALRM, main thread)."""
+        import contextlib
+        import signal
+
+        left = max(5, int(self.budget_s / 2 - self.compile_spent.get(family, 0.0)))
+
+        class CompileTimeout(Exception):
+            pass
+
+        def handler(signum, frame):
+            raise CompileTimeout(f"stock torch.compile did not finish within {left}s (interrupted)")
+
+        @contextlib.contextmanager
+        def cm():
+            if not hasattr(signal, "SIGALRM"):
+                yield
+                return
+            old = signal.signal(signal.SIGALRM, handler)
+            signal.alarm(left)
+            try:
+                yield
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, old)
+        return cm()
+
     def spent(self, family: str, seconds: float) -> None:
         self.compile_spent[family] = self.compile_spent.get(family, 0.0) + seconds
 
@@ -417,7 +444,10 @@ def bench_mamba1(bx: Bench) -> None:
             fn = torch.compile(lambda: hf(assoc=True), dynamic=False)
             t = time.time()
             try:
-                y, s = fn()
+                with bx.deadline("mamba1"):
+                    y, s = fn()
+            except Exception as e:  # noqa: BLE001  (a compile that does not finish is a result)
+                return {"error": str(e)[:200], "compile_s": round(time.time() - t, 1)}
             finally:
                 bx.spent("mamba1", time.time() - t)
             out = {"compile_s": round(time.time() - t, 1)}
