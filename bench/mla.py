@@ -86,7 +86,6 @@ def time_ms(fn, graph: bool = True) -> tuple[float, bool]:
         return (time.perf_counter() - t0) * 1e3, False
     g = _graph(fn) if graph else None
     ms = triton.testing.do_bench(g.replay if g is not None else fn, warmup=25, rep=100, return_mode="median")
-    del g
     return ms, g is not None
 
 

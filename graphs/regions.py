@@ -279,3 +279,38 @@ def erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> int:
             gm.graph.erase_node(n)
             erased += 1
     return erased
+
+
+# --------------------------------------------------------------------------------------------------
+# Sub-graphs: run part of a graph on its own (probing a candidate rewrite on fresh random inputs)
+# --------------------------------------------------------------------------------------------------
+
+def concrete(v: Any) -> Any:
+    """A SymInt's hint (the size seen when tracing), other values unchanged."""
+    if isinstance(v, torch.SymInt):
+        return v.node.hint
+    return v
+
+
+def extract_subgraph(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node) -> fx.GraphModule:
+    """A standalone GraphModule computing ``output`` from ``inputs`` with ``nodes`` (graph order).
+    Sizes computed outside (SymInt nodes) are frozen to their traced values; any other outside tensor
+    raises RewriteError (the sub-graph would not be self-contained)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {n: graph.placeholder(f"in{i}") for i, n in enumerate(inputs)}
+
+    def lookup(n: fx.Node):
+        if n in env:
+            return env[n]
+        v = node_value(n)
+        if isinstance(v, (torch.SymInt, int)):
+            return concrete(v)
+        raise RewriteError(f"sub-graph reads {n.name} from outside")
+    member = set(nodes)
+    for n in nodes:
+        if n in env:
+            continue
+        env[n] = graph.node_copy(n, lookup)
+    assert output in member
+    graph.output(env[output])
+    return fx.GraphModule(torch.nn.Module(), graph)
