@@ -12,4 +12,15 @@ from .explain import explain
 from .options import Options
 from .report import Report, collect
 
+
+def _register() -> None:
+    """Installed packages find the backend through the entry point; a source checkout on the path
+    (no ``pip install``) registers it when ``compiler`` is imported."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    if "hybrid" not in _BACKENDS:
+        register_backend(compiler_fn=hybrid_backend, name="hybrid")
+
+
+_register()
+
 __all__ = ["hybrid_backend", "explain", "Options", "Report", "collect"]
