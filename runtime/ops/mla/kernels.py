@@ -191,7 +191,7 @@ def _mla_attn_kernel(
         else:
             qk = tl.dot(q_lat, tl.trans(lat))
             qk = tl.dot(q_rope, tl.trans(rope), acc=qk)
-        qk = qk * sm_scale_log2                                                   # [M, BN], log2 units
+        qk = qk * tl.cast(sm_scale_log2, tl.float32)  # [M, BN], log2 units (fp32 even if the scalar arrives as fp64)
         keep = n_ok[None, :] & (rows >= 0)[:, None]        # padded rows (q = 0) stay finite; stores mask them
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= lim[:, None])
@@ -277,7 +277,8 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
     else:
         po = plse = out                                    # unused
     mask_kind = MASK_NONE if mask is None else (MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT)
-    mask_arg = out if mask is None else (mask.view(torch.uint8) if mask_kind == MASK_BOOL else mask)
+    # bool -> uint8 as a real (tiny) conversion: Inductor cannot lower a bool->uint8 view
+    mask_arg = out if mask is None else (mask.to(torch.uint8) if mask_kind == MASK_BOOL else mask)
     wrap_triton(_mla_attn_kernel)[(grid_tiles, head_blocks, num_splits)](
         q_lat, q_rope, kl, kr, out if bt is None else bt, out if seq is None else seq,
         out if qsl is None else qsl, mask_arg, out, po, plse,

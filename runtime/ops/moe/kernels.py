@@ -231,7 +231,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le,
         if METHOD == 2:
             denom = denom + 1e-20
         w_acc = w_acc / denom[:, None]
-    w_acc = w_acc * scale
+    w_acc = w_acc * tl.cast(scale, tl.float32)  # the scalar may arrive as fp64 under Inductor
     omask = rmask[:, None] & kvalid
     offs = rows[:, None] * TOP_K + kcols[None, :]
     tl.store(w_ptr + offs, w_acc, mask=omask)

@@ -34,7 +34,7 @@ def _gated_rms_norm_kernel(
         zz = tl.load(z_ptr + row[:, None] * szm + cols, mask=m, other=0.0).to(tl.float32)
         h = h * (zz / (1.0 + tl.exp(-zz)))
     var = tl.sum(h * h, axis=1) / GS
-    h = h * tl.rsqrt(var + eps)[:, None]
+    h = h * tl.rsqrt(var + tl.cast(eps, tl.float32))[:, None]
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # HF casts back to the input dtype before the weight
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row[:, None] * sym + cols, (w * h).to(y_ptr.dtype.element_ty), mask=m)

@@ -52,7 +52,8 @@ def _process_dt(dt_raw, db_ptr, h, dt_min, dt_max, HAS_DB: tl.constexpr, SOFTPLU
         dt += tl.load(db_ptr + h).to(tl.float32)
     if SOFTPLUS:
         dt = _softplus(dt)
-    return tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    # the bounds may arrive as fp64 scalars (Inductor's wrapper): keep dt fp32 for the loop-carried sums
+    return tl.minimum(tl.maximum(dt, tl.cast(dt_min, tl.float32)), tl.cast(dt_max, tl.float32))
 
 
 @triton.jit
