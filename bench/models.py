@@ -29,7 +29,7 @@ from compiler.hf import cache_kwarg, quiet_transformers  # noqa: E402
 from compiler.numerics import rel_err  # noqa: E402
 
 MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]
-VARIANTS = ["eager", "inductor", "hybrid"]
+VARIANTS = ["eager", "inductor", "hybrid", "inductor-cg", "hybrid-cg"]
 
 
 def tag(msg):
@@ -40,8 +40,9 @@ def make_forward(model, variant: str):
     if variant == "eager":
         return model.forward
     torch._dynamo.reset()
-    backend = "hybrid" if variant == "hybrid" else "inductor"
-    return torch.compile(model.forward, backend=backend)
+    backend = "hybrid" if variant.startswith("hybrid") else "inductor"
+    mode = "reduce-overhead" if variant.endswith("-cg") else None  # CUDA graphs
+    return torch.compile(model.forward, backend=backend, mode=mode)
 
 
 def run_model(name: str, variants: list[str], device: str, dtype, prefill_t: int, decode_b: int, cache_t: int,
@@ -87,7 +88,7 @@ def run_model(name: str, variants: list[str], device: str, dtype, prefill_t: int
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             tag(f"{name} {variant}: FAILED {row['error']}")
             traceback.print_exc(limit=3)
-        if variant == "hybrid" and hybrid_explain:
+        if variant == "hybrid" and hybrid_explain and "error" not in row:
             from compiler import explain
             rep = explain(model, prefill_ids[:, :64])
             row["regions"] = rep.counts()
@@ -118,7 +119,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="-cg: mode='reduce-overhead' (CUDA graphs)")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
     args = ap.parse_args()
@@ -126,10 +127,11 @@ def main() -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     models = ["deepseek_v2", "mamba2", "mixtral"] if args.smoke else args.models.split(",")
+    variants = [v for v in args.variants.split(",") if cuda or not v.endswith("-cg")]
     sizes = (32, 2, 16) if args.smoke else (2048, 8, 512)
     rows = []
     for name in models:
-        rows += run_model(name, args.variants.split(","), device, dtype, *sizes, hybrid_explain=True)
+        rows += run_model(name, variants, device, dtype, *sizes, hybrid_explain=True)
     text = table(rows)
     print(text)
     write(args.out, "models", rows, text)
