@@ -122,13 +122,14 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="-cg: mode='reduce-overhead' (CUDA graphs)")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
+    ap.add_argument("--cache-tokens", type=int, default=512, help="cached tokens before the timed decode step")
     args = ap.parse_args()
     quiet_transformers()
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     models = ["deepseek_v2", "mamba2", "mixtral"] if args.smoke else args.models.split(",")
     variants = [v for v in args.variants.split(",") if cuda or not v.endswith("-cg")]
-    sizes = (32, 2, 16) if args.smoke else (2048, 8, 512)
+    sizes = (32, 2, 16) if args.smoke else (2048, 8, args.cache_tokens)
     rows = []
     for name in models:
         rows += run_model(name, variants, device, dtype, *sizes, hybrid_explain=True)
