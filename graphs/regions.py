@@ -199,7 +199,11 @@ def _fake_call(op, args, kwargs):
 
 
 def apply_rewrite(gm: fx.GraphModule, nodes: list[fx.Node], rw: Rewrite, meta_from: fx.Node | None = None) -> fx.Node:
-    """Replace ``nodes`` (a region, in graph order) by ``rw.op``. Returns the call node."""
+    """Replace ``nodes`` (a region, in graph order) by ``rw.op``. Returns the call node.
+
+    Size computations (SymInt/SymFloat nodes) that only read the region's inputs stay in the graph: under
+    dynamic shapes dynamo shares them with the code after the region."""
+    nodes = _without_sizes(nodes)
     node_set = set(nodes)
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -245,6 +249,18 @@ def apply_rewrite(gm: fx.GraphModule, nodes: list[fx.Node], rw: Rewrite, meta_fr
     return call
 
 
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(node_value(node), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _without_sizes(nodes: list[fx.Node]) -> list[fx.Node]:
+    member, kept = set(nodes), set()
+    for n in nodes:
+        if _is_size(n) and all(a not in member or a in kept for a in n.all_input_nodes):
+            kept.add(n)
+    return [n for n in nodes if n not in kept]
+
+
 def _check_mutation_order(nodes, node_set, rw: Rewrite, order, anchor_pos: int) -> None:
     """The op writes its mutated inputs at the anchor; outside code that read them before the region's
     own writes must still run before that point."""
@@ -287,7 +303,7 @@ def erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> int:
 
 def concrete(v: Any) -> Any:
     """A SymInt's hint (the size seen when tracing), other values unchanged."""
-    if isinstance(v, torch.SymInt):
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
         return v.node.hint
     return v
 

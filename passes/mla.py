@@ -58,8 +58,12 @@ class FuseMLA(RegionPass):
             raise Skip("SDPA with dropout or GQA flags")
         is_causal = bool(_arg(sdpa, 5, "is_causal", False))
         scale = _arg(sdpa, 6, "scale")
-        if isinstance(scale, fx.Node):
-            raise Skip("SDPA scale is computed at run time")
+        if isinstance(scale, fx.Node):  # dynamic shapes lift the module's float constant to an input
+            hint = concrete(node_value(scale)) if isinstance(node_value(scale), (torch.SymFloat, float)) else None
+            module_scale = getattr(m, "scaling", None)
+            if hint is None or module_scale is None or abs(float(hint) - float(module_scale)) > 1e-12:
+                raise Skip("SDPA scale is computed at run time")
+            scale = float(module_scale)
         head_dim = node_value(q_nope).shape[-1] + node_value(q_rope).shape[-1]
         scale = float(scale) if scale is not None else float(concrete(head_dim)) ** -0.5
         args = [q_nope, q_rope, latent, k_rope, weight, mask]

@@ -231,7 +231,7 @@ class FuseMoE(RegionPass):
     def _activation_input(ctx: PassContext, sub: Region, exclude: set) -> fx.Node:
         params = ctx.weight_nodes
         acts = [n for n in sub.inputs if n not in params and n not in exclude
-                and isinstance(node_value(n), torch.Tensor)]
+                and isinstance(node_value(n), torch.Tensor) and node_value(n).dim() > 0]
         if len(acts) != 1:
             raise Skip(f"expected one activation input to the block, found {len(acts)}")
         return acts[0]

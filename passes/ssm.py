@@ -40,7 +40,10 @@ class FuseSSM(RegionPass):
             raise Skip(f"conv activation {m.activation!r} is not silu")
         mamba2 = mamba2_dims(m)
         params = ctx.weight_nodes
-        acts = [n for n in region.inputs if n not in params and isinstance(node_value(n), torch.Tensor)]
+        # scalars dynamo lifted to inputs under dynamic shapes (e.g. the norm's eps) are module constants
+        # the op takes from the module itself
+        acts = [n for n in region.inputs if n not in params and isinstance(node_value(n), torch.Tensor)
+                and node_value(n).dim() > 0]
         hidden = [n for n in acts if node_value(n).dim() == 3 and _shape(n)[-1] == m.in_proj.in_features
                   and n not in region.mutated_inputs]
         masks = [n for n in acts if node_value(n).dim() == 2 and n not in hidden]
@@ -48,13 +51,12 @@ class FuseSSM(RegionPass):
         if len(hidden) != 1 or len(acts) != 1 + len(masks) + len(written) or len(masks) > 1:
             raise Skip(f"unexpected mixer inputs {[(n.name, tuple(node_value(n).shape)) for n in acts]} (hidden {len(hidden)}, masks {len(masks)}, written {len(written)})")
         hidden, mask = hidden[0], (masks[0] if masks else None)
-        if any(not isinstance(node_value(o), torch.Tensor) for o in region.outputs):
-            raise Skip("the region exports non-tensor values (sizes) to the rest of the graph")
-        main = [o for o in region.outputs if _shape(o) == _shape(hidden)]
+        tensor_outputs = [o for o in region.outputs if isinstance(node_value(o), torch.Tensor)]
+        main = [o for o in tensor_outputs if _shape(o) == _shape(hidden)]
         if len(main) != 1:
             raise Skip("cannot tell the mixer output among the region outputs")
         main = main[0]
-        fresh = [o for o in region.outputs if o is not main]
+        fresh = [o for o in tensor_outputs if o is not main]
         self._check_probe(m, mamba2)
         weights = self._weights(ctx, m, mamba2)
         kernel = m.conv1d.weight.shape[-1]

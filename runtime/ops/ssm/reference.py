@@ -98,7 +98,7 @@ def causal_conv1d_ref(
         init = initial_state.float()
     xx = torch.cat([init, x.float()], dim=-1)  # [B, C, W + T]
     pad = max(k - 1 - w, 0)  # history older than the state is zero
-    xx_p = F.pad(xx, (pad, 0))
+    xx_p = F.pad(xx, (pad, 0)) if pad else xx  # (F.pad by 0 specialises a symbolic length)
     y = F.conv1d(xx_p[..., pad + w - (k - 1):], weight.float().unsqueeze(1),
                  None if bias is None else bias.float(), groups=chans)
     y = _act(y, activation)
@@ -226,8 +226,8 @@ def ssd_scan_ref(
     Bf = Bm.float().repeat_interleave(rep, dim=2)  # [B, T, H, N]
     Cf = Cm.float().repeat_interleave(rep, dim=2)
 
-    def chunks(t):  # [B, T, ...] -> [B, c, L, ...] (zero padded)
-        t = F.pad(t, [0, 0] * (t.dim() - 2) + [0, pad])
+    def chunks(t):  # [B, T, ...] -> [B, c, L, ...] (zero padded; cat, as F.pad cannot take a symbolic pad)
+        t = torch.cat([t, t.new_zeros(bsz, pad, *t.shape[2:])], dim=1)
         return t.reshape(bsz, nch, L, *t.shape[2:])
 
     xdt = chunks(xf * dtp[..., None])  # [B, c, L, H, P]
@@ -243,10 +243,13 @@ def ssd_scan_ref(
     # per-chunk end states from zero, then the chunk-to-chunk recurrence (log-depth scan over chunks)
     to_end = torch.exp(cum[..., -1:] - cum)  # [B, H, c, L]
     states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, xdt)
-    chunk_decay = torch.exp(cum[..., -1]).permute(0, 2, 1)  # [B, c, H]
-    a_cum, ends = _linear_scan(chunk_decay[..., None, None], states, dim=1)
+    # state at the end of chunk c = sum_{z<=c} exp(sum_{z<j<=c} log-decay_j) states_z (+ the initial state
+    # decayed through chunks 0..c): a [c, c] lower-triangular decay matrix, no loop over the chunk count
+    chunk_log = cum[..., -1]  # [B, H, c]
+    ends = torch.einsum("bhcz,bzhpn->bchpn", _segsum_exp(chunk_log), states)
     if initial_states is not None:
-        ends = ends + a_cum * initial_states.float()[:, None]
+        a_cum = torch.exp(torch.cumsum(chunk_log, dim=-1)).permute(0, 2, 1)  # [B, c, H]
+        ends = ends + a_cum[..., None, None] * initial_states.float()[:, None]
     init = initial_states.float() if initial_states is not None else states.new_zeros(states[:, 0].shape)
     starts = torch.cat([init[:, None], ends[:, :-1]], dim=1)  # state entering each chunk
 
