@@ -38,7 +38,7 @@ def test_routing_variant_identified(name, expect):
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "jamba", "deepseek_v2", "deepseek_v3"])
 def test_every_experts_implementation(name, impl):
     model = zoo.build(name)
     model.config._experts_implementation = impl
