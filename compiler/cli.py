@@ -2,6 +2,7 @@
 
     hybrid demo [--model deepseek_v3]      compile a zoo model, show the explain table, compare with eager
     hybrid explain MODEL [--json]          every MLA / SSM / MoE region and what the passes did with it
+    hybrid generate MODEL --prompt-ids 5,6,7 [--prompt "text"] [--json]   continuous-batching engine
     hybrid zoo list | hybrid zoo save NAME DIR
 """
 from __future__ import annotations
@@ -104,6 +105,48 @@ def cmd_demo(args) -> int:
     return 0 if (err < 1e-5 and same) else 1
 
 
+def cmd_generate(args) -> int:
+    import torch
+
+    from runtime.engine import Engine, SamplingParams
+    prompts: list = list(args.prompt or [])
+    for ids in args.prompt_ids or []:
+        try:
+            prompts.append([int(t) for t in ids.replace(" ", "").split(",") if t])
+        except ValueError:
+            raise ValueError(f"--prompt-ids takes comma-separated integers, got {ids!r}") from None
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    _say(f"loading {args.model} ...")
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
+                                    cache_memory=args.cache_mb << 20 if args.cache_mb else None)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    live = sys.stderr.isatty() and not args.json
+
+    def progress(n, seconds):
+        if live:
+            print(f"\r{n} tokens, {n / max(seconds, 1e-9):.1f} tokens/s", end="", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, progress=progress)
+    seconds = time.perf_counter() - t0
+    if live:
+        print(file=sys.stderr)
+    total = sum(len(o.token_ids) for o in outs)
+    if args.json:
+        print(json.dumps({"outputs": [{"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+                                       "prompt_token_ids": o.prompt_token_ids} for o in outs],
+                          "tokens": total, "seconds": round(seconds, 3),
+                          "tokens_per_s": round(total / max(seconds, 1e-9), 2),
+                          "preemptions": engine.scheduler.num_preemptions}, indent=2))
+    else:
+        for i, o in enumerate(outs):
+            print(f"[{i}] {o.text if o.text is not None else o.token_ids}  ({o.finish_reason})")
+        _say(f"{total} tokens in {seconds:.2f}s ({total / max(seconds, 1e-9):.1f} tokens/s)")
+    return 0
+
+
 def cmd_zoo(args) -> int:
     from . import zoo
     if args.zoo_cmd == "list":
@@ -141,6 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--verify", action="store_true", help="check each rewrite against eager on the example inputs")
     e.set_defaults(fn=cmd_explain)
 
+    g = sub.add_parser("generate", help="generate with the continuous-batching engine (paged caches, SSM slots)")
+    g.add_argument("model", help="zoo name or path to an HF model directory (its tokenizer is used for --prompt)")
+    g.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer); repeatable")
+    g.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 5,6,7; repeatable")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
+    g.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--compile", default="auto", help="auto | hybrid | hybrid-eager | none")
+    g.add_argument("--cache-mb", type=int, help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
+    g.set_defaults(fn=cmd_generate)
+
     z = sub.add_parser("zoo", help="list the model zoo or save a zoo model as an HF directory")
     zsub = z.add_subparsers(dest="zoo_cmd", required=True)
     zsub.add_parser("list", help="list zoo models")
@@ -157,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup()
     try:
         return args.fn(args)
-    except (FileNotFoundError, KeyError, ValueError) as e:
+    except (FileNotFoundError, KeyError, ValueError) as e:  # bad input: say what to do, no traceback
         msg = e.args[0] if e.args else str(e)
         _say(f"hybrid: error: {msg}")
         return 2

@@ -7,14 +7,18 @@ import torch
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
-    """Name of the forward kwarg that takes the cache: ``cache`` (5.2x) or ``past_key_values`` (older)."""
+    """Name of the forward kwarg that takes the cache: ``cache`` (5.2x), ``past_key_values`` (older), or
+    ``cache_params`` (Mamba models before 5.2x)."""
     params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    for name in ("cache", "past_key_values", "cache_params"):
+        if name in params:
+            return name
+    return "past_key_values"
 
 
 def output_cache(output):
-    """The cache a forward returned (``.cache`` in 5.2x, ``.past_key_values`` before)."""
-    for name in ("cache", "past_key_values"):
+    """The cache a forward returned (``.cache`` in 5.2x; ``.past_key_values`` / ``.cache_params`` before)."""
+    for name in ("cache", "past_key_values", "cache_params"):
         value = getattr(output, name, None)
         if value is not None:
             return value

@@ -319,7 +319,7 @@ def extract_subgraph(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Nod
         if n in env:
             return env[n]
         v = node_value(n)
-        if isinstance(v, (torch.SymInt, int)):
+        if isinstance(v, (torch.SymInt, torch.SymFloat, int, float)):
             return concrete(v)
         raise RewriteError(f"sub-graph reads {n.name} from outside")
     member = set(nodes)

@@ -110,8 +110,10 @@ class FuseMLA(RegionPass):
                 n = todo.pop()
                 if n in keep or n in stop:
                     continue
-                if isinstance(node_value(n), (torch.SymInt, int)):
-                    continue  # sizes stay in the graph (cheap; other nodes may use them)
+                v = node_value(n)
+                if isinstance(v, (torch.SymInt, torch.SymFloat, int, float)) or (
+                        isinstance(v, torch.Tensor) and v.dim() == 0):
+                    continue  # sizes and scalars stay in the graph (cheap; other nodes may use them)
                 if n not in region:
                     raise Skip(f"the attention reads {n.name}, computed outside the module")
                 keep.add(n)

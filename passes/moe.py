@@ -169,7 +169,7 @@ class FuseMoE(RegionPass):
         keep = self._kept_nodes(region, [c for c in (shared_mlp, shared_gate) if c is not None])
         nodes = [n for n in region.nodes if n not in keep]
         sub = Region(region.kind, region.key, region.path, region.cls_name, block, nodes)
-        outputs = sub.outputs
+        outputs = [o for o in sub.outputs if isinstance(node_value(o), torch.Tensor)]  # sizes stay in the graph
         if len(outputs) != 1:
             raise Skip(f"the block has {len(outputs)} outputs used outside it (router logits requested, "
                        "e.g. output_router_logits=True); only the block output can be replaced")

@@ -12,6 +12,7 @@ hybrid's experts implementation.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 
@@ -68,7 +69,9 @@ def adopt_eager_experts(ctx) -> None:
     if not configs:
         return
     wanted = {id(c) for c in configs}
-    experts = [o for o in gc.get_objects() if _is_experts_of(o, wanted)]
+    with warnings.catch_warnings():  # touching every live object trips deprecation shims (torch.distributed)
+        warnings.simplefilter("ignore")
+        experts = [o for o in gc.get_objects() if _is_experts_of(o, wanted)]
     if not experts:
         return
     supported = not any(getattr(e, f, False) for e in experts for f in ("has_bias", "is_transposed",

@@ -1,0 +1,234 @@
+"""Generation throughput: hybrid's engine vs HF ``generate`` (eager, and static cache + stock torch.compile).
+
+    python bench/engine.py --out bench/results/engine.json                 # GPU, bf16, the three -shape models
+    python bench/engine.py --models deepseek-v2-lite-shape --batches 1,64
+    python bench/engine.py --smoke                                         # tiny zoo models, CPU
+
+Workload (the runtime issue's): B requests of ``--prompt`` random tokens, ``--output`` new tokens each,
+greedy, EOS ignored. Per variant: time to first token (all B prefills), then time per output token
+(TPOT: decode wall time / decode steps) and decode throughput (B / TPOT). HF eager is measured on
+``--eager-output`` new tokens (it is slow; per-token cost barely moves over that range), the others on
+``--output``. Compiled variants are warmed up first (compilation and CUDA-graph recording are not timed).
+
+Step roofline: the bytes one decode step must move at 4.3 TB/s: every weight the step touches (experts:
+the expected number of distinct experts hit by B tokens under uniform routing, E(1 - (1 - k/E)^B); the
+input embedding: B rows), the cache read at the mean decode context (prompt + output/2), SSM states read
+and written once. Correctness: the engine's greedy tokens are compared with HF eager's (bf16 can flip
+near-ties late in a sequence, so the mean agreeing prefix is reported).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import HBM_BPS, log, write  # noqa: E402
+from compiler import zoo  # noqa: E402
+from compiler.hf import quiet_transformers  # noqa: E402
+from runtime.engine import Engine, SamplingParams  # noqa: E402
+
+MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]
+VARIANTS = ["hf-eager", "hf-static-compile", "hybrid-engine"]
+
+
+def tag(msg):
+    log("engine", msg)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- the step roofline --------------------------------------------------------------------------------
+def num_experts(config) -> tuple[int, int]:
+    e = next((getattr(config, k) for k in ("n_routed_experts", "num_local_experts", "num_experts")
+              if getattr(config, k, None)), 0)
+    return e, getattr(config, "num_experts_per_tok", 0) or 0
+
+
+def weight_bytes_touched(model, batch: int) -> float:
+    e, k = num_experts(model.config)
+    hit = e * (1 - (1 - k / e) ** batch) if e else 0
+    embed = model.get_input_embeddings().weight
+    tied = embed is getattr(model.get_output_embeddings(), "weight", None)
+    total = 0.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if p is embed and not tied:
+            nbytes = batch * p.shape[1] * p.element_size()
+        elif e and ".experts." in name and p.dim() == 3 and p.shape[0] == e:
+            nbytes *= hit / e
+        total += nbytes
+    return total
+
+
+def step_roofline_ms(model, engine: Engine, batch: int, context: float) -> tuple[float, dict]:
+    cache_per_token = sum(l.buf[0].numel() * l.buf.element_size() for l in engine.cache.attention)
+    state_per_seq = sum(l.conv_buf[0].numel() * l.conv_buf.element_size() + l.ssm_buf[0].numel()
+                        * l.ssm_buf.element_size() for l in engine.cache.states)
+    parts = dict(weights=weight_bytes_touched(model, batch), cache=batch * context * cache_per_token,
+                 states=2 * batch * state_per_seq)
+    return sum(parts.values()) / HBM_BPS * 1e3, parts
+
+
+# -- variants -------------------------------------------------------------------------------------------
+def hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool) -> tuple[float, float, list]:
+    """(ttft s, total s, generated ids) of one HF generate call."""
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(prompts), pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+
+    def run(n):
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompts, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync()
+        return time.perf_counter() - t0, out
+
+    ttft, _ = run(1)
+    total, out = run(new_tokens)
+    return ttft, total, out[:, prompts.shape[1]:].tolist()
+
+
+def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, int, list]:
+    """(prefill s, decode s, decode steps, generated ids); every step is timed (a step ends on the host)."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts.tolist()]
+    spent = dict(prefill=0.0, decode=0.0)
+    steps = 0
+    while engine.has_unfinished():
+        decoded = engine.stats["decode_tokens"]
+        t0 = time.perf_counter()
+        engine.step()
+        kind = "decode" if engine.stats["decode_tokens"] > decoded else "prefill"
+        spent[kind] += time.perf_counter() - t0
+        steps += kind == "decode"
+    return spent["prefill"], spent["decode"], steps, [engine.output(i).token_ids for i in ids]
+
+
+def agreeing_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    n = []
+    for x, y in zip(a, b):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        n.append(k)
+    return sum(n) / len(n)
+
+
+def run_model(name: str, args, device: str, dtype) -> list[dict]:
+    tag(f"building {name} on {device} ({dtype})")
+    model = zoo.build(name, dtype=dtype, device=device)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows, eager_ids = [], {}
+    engine = None
+    batch_prompts = {b: torch.randint(3, vocab, (b, args.prompt), generator=g).to(device) for b in args.batches}
+    for variant in args.variants:
+        for b, prompts in batch_prompts.items():
+            new = args.eager_output if variant == "hf-eager" else args.output
+            row = dict(model=name, variant=variant, batch=b, prompt=args.prompt, new_tokens=new)
+            try:
+                if variant.startswith("hf"):
+                    static = variant == "hf-static-compile"
+                    if static:
+                        tag(f"{name} {variant} B={b}: warm-up (compiles)")
+                        hf_generate(model, prompts, args.output, static)
+                    tag(f"{name} {variant} B={b}: {new} tokens")
+                    ttft, total, out = hf_generate(model, prompts, new, static)
+                    row.update(ttft_ms=ttft * 1e3, tpot_ms=(total - ttft) / (new - 1) * 1e3)
+                    if variant == "hf-eager":
+                        eager_ids[b] = out
+                else:
+                    if engine is None:
+                        tag(f"{name}: engine ({args.compile}), cache {args.cache_mb} MB")
+                        engine = Engine(model, cache_memory=args.cache_mb << 20, max_num_seqs=max(args.batches),
+                                        max_prefill_tokens=max(args.prompt, 512), compile=args.compile)
+                    tag(f"{name} {variant} B={b}: warm-up (compiles, records graphs)")
+                    engine_generate(engine, prompts, 8)
+                    tag(f"{name} {variant} B={b}: {new} tokens")
+                    pre, dec, steps, out = engine_generate(engine, prompts, new)
+                    row.update(ttft_ms=pre * 1e3, tpot_ms=dec / steps * 1e3)
+                    if b in eager_ids:
+                        row["agreeing_prefix"] = agreeing_prefix(out, eager_ids[b])
+                    roof, parts = step_roofline_ms(model, engine, b, args.prompt + args.output / 2)
+                    row.update(roofline_ms=roof, roofline_parts_mb={k: v / 2**20 for k, v in parts.items()},
+                               cache_bytes_per_token_per_layer=[l.buf[0].numel() * l.buf.element_size()
+                                                                for l in engine.cache.attention][:1],
+                               state_bytes_per_seq_per_layer=[l.conv_buf[0].numel() * l.conv_buf.element_size()
+                                                              + l.ssm_buf[0].numel() * l.ssm_buf.element_size()
+                                                              for l in engine.cache.states][:1])
+                row["tok_s"] = b / row["tpot_ms"] * 1e3
+            except Exception as e:  # noqa: BLE001  (a crash is a result: record it)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                tag(f"{name} {variant} B={b}: FAILED {row['error']}")
+                traceback.print_exc(limit=4)
+            tag(f"{name} {variant} B={b}: { {k: v for k, v in row.items() if k != 'roofline_parts_mb'} }")
+            rows.append(row)
+        torch._dynamo.reset()
+    for r in rows:  # the step roofline is the same bytes whoever runs the step
+        ref = next((x for x in rows if x["batch"] == r["batch"] and "roofline_ms" in x), None)
+        if ref and "tpot_ms" in r:
+            r["roofline_ms"] = ref["roofline_ms"]
+            r["pct_roofline"] = 100 * ref["roofline_ms"] / r["tpot_ms"]
+    del model, engine
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | variant | B | new tokens | TTFT ms | TPOT ms | decode tok/s | x HF eager | % step roofline "
+             "| roofline ms | agreeing prefix vs eager | note |", "|" + "---|" * 12]
+    eager = {(r["model"], r["batch"]): r for r in rows if r["variant"] == "hf-eager" and "tok_s" in r}
+    for r in rows:
+        e = eager.get((r["model"], r["batch"]))
+        ratio = f"{r['tok_s'] / e['tok_s']:.1f}x" if e and "tok_s" in r else "-"
+        f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['new_tokens']} | {f('ttft_ms', '.1f')} | "
+                     f"{f('tpot_ms', '.3f')} | {f('tok_s', '.0f')} | {ratio} | {f('pct_roofline', '.0f')} | "
+                     f"{f('roofline_ms', '.3f')} | {f('agreeing_prefix', '.1f')} | {r.get('error', '')} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--eager-output", type=int, default=32)
+    ap.add_argument("--cache-mb", type=int, default=4096)
+    ap.add_argument("--compile", default="hybrid-cudagraphs")
+    ap.add_argument("--out")
+    ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
+    args = ap.parse_args()
+    quiet_transformers()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.smoke:
+        args.models, args.batches, args.prompt, args.output, args.eager_output, args.cache_mb = (
+            "deepseek_v2,mamba2,mixtral", "1,3", 20, 8, 8, 64)
+        args.variants = "hf-eager,hybrid-engine"
+        args.compile = "hybrid-eager"
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.variants = args.variants.split(",")
+    rows = []
+    for name in args.models.split(","):
+        rows += run_model(name, args, device, dtype)
+    text = table(rows)
+    print(text)
+    write(args.out, "engine", rows, text, extra=dict(args={k: v for k, v in vars(args).items() if k != "out"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The engine's caches, as an HF ``Cache`` the unmodified model writes into.
+
+- Attention and MLA layers: one paged buffer per layer, ``[num_blocks * block_size, heads, Dk + Dv]``
+  (for MLA: heads = 1, Dk = kv_lora_rank, Dv = rope dim, i.e. the latent cache of 576 values per token);
+  ``update`` writes the step's tokens at ``write_slots`` and returns the keys/values gathered by
+  ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are masked out).
+- SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
+  a decode step binds prefix views (HF updates them in place), a prefill binds nothing and HF creates fresh
+  states, which the runner then copies into the new sequence's row.
+All buffers and step metadata are tensors held by the cache object, so under ``torch.compile`` they are
+graph inputs, never Python globals. Buffers (and the decode views of state buffers, made once per batch
+size) are marked as static addresses: CUDA graphs read and update them in place instead of copying them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+
+
+@dataclass
+class LayerSpec:
+    kind: str  # "attention" | "ssm"
+    heads: int = 0
+    k_dim: int = 0
+    v_dim: int = 0
+    conv_shape: tuple = ()
+    ssm_shape: tuple = ()
+    conv_dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype = torch.float32
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.heads * (self.k_dim + self.v_dim) * dtype.itemsize if self.kind == "attention" else 0
+
+    def bytes_per_state_row(self) -> int:
+        if self.kind != "ssm":
+            return 0
+        n = lambda s: int(torch.tensor(s).prod().item()) if s else 0  # noqa: E731
+        return n(self.conv_shape) * self.conv_dtype.itemsize + n(self.ssm_shape) * self.ssm_dtype.itemsize
+
+
+def discover_layers(model, kwarg: str) -> list[LayerSpec]:
+    """Run a 2-token prefill with HF's own DynamicCache and read what every layer cached."""
+    from transformers import DynamicCache
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]], device=device), use_cache=True, **{kwarg: cache})
+    specs = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer) or hasattr(layer, "conv_states"):
+            conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+            specs.append(LayerSpec("ssm", conv_shape=tuple(conv.shape[1:]), ssm_shape=tuple(ssm.shape[1:]),
+                                   conv_dtype=conv.dtype, ssm_dtype=ssm.dtype))
+        else:
+            k, v = layer.keys, layer.values
+            specs.append(LayerSpec("attention", heads=k.shape[1], k_dim=k.shape[-1], v_dim=v.shape[-1]))
+    return specs
+
+
+class PagedAttentionLayer(CacheLayerMixin):
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, num_rows: int, heads: int, k_dim: int, v_dim: int, dtype, device):
+        super().__init__()
+        self.k_dim = k_dim
+        self.buf = torch.zeros(num_rows, heads, k_dim + v_dim, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(self.buf)
+        self.write_slots = torch.zeros(1, dtype=torch.long, device=device)
+        self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):  # buffers exist from the start
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value [B, H, T, D] -> cached keys/values [B, H, S, D] for the step's gather map."""
+        b, h, t, _ = key_states.shape
+        rows = torch.cat([key_states, value_states], dim=-1).transpose(1, 2).reshape(b * t, h, -1)
+        self.buf.index_copy_(0, self.write_slots, rows.to(self.buf.dtype))
+        kv = self.buf[self.gather_idx].transpose(1, 2)  # [B, H, S, Dk + Dv]
+        return kv[..., :self.k_dim], kv[..., self.k_dim:]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.gather_idx.shape[1], 0
+
+    def get_seq_length(self) -> int:
+        return self.gather_idx.shape[1]
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotStateLayer(LinearAttentionLayer):
+    """HF's linear-attention layer, re-bound every step to the engine's state buffers."""
+
+    def __init__(self, num_rows: int, spec: LayerSpec, device):
+        super().__init__()
+        self.conv_buf = torch.zeros(num_rows, *spec.conv_shape, dtype=spec.conv_dtype, device=device)
+        self.ssm_buf = torch.zeros(num_rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # what HF's lazy initialisation would set on the first prefill: set now, so every prefill traces alike
+        self.dtype, self.device = spec.conv_dtype, self.conv_buf.device
+        self.conv_kernel_size[0] = spec.conv_shape[-1]
+
+    def bind_decode(self, n: int) -> None:
+        if n not in self._views:  # one view object per batch size: stable inputs for compiled graphs
+            views = (self.conv_buf[:n], self.ssm_buf[:n])
+            for v in views:
+                torch._dynamo.mark_static_address(v)
+            self._views[n] = views
+        self.conv_states[0], self.recurrent_states[0] = self._views[n]
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        self.conv_kernel_size[0] = self.conv_buf.shape[-1]
+
+    def bind_prefill(self) -> None:
+        self.conv_states[0] = self.recurrent_states[0] = None
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = False
+        self.has_previous_state[0] = False
+
+    def store_prefill(self, row: int) -> None:
+        """Copy the fresh states HF created during a prefill into ``row`` of the buffers."""
+        self.conv_buf[row].copy_(self.conv_states[0][0])
+        self.ssm_buf[row].copy_(self.recurrent_states[0][0])
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.conv_buf[dst].copy_(self.conv_buf[src])
+        self.ssm_buf[dst].copy_(self.ssm_buf[src])
+
+
+class PagedCache(Cache):
+    def __init__(self, specs: list[LayerSpec], num_rows: int, num_state_rows: int, dtype, device):
+        layers = [PagedAttentionLayer(num_rows, s.heads, s.k_dim, s.v_dim, dtype, device) if s.kind == "attention"
+                  else SlotStateLayer(num_state_rows, s, device) for s in specs]
+        super().__init__(layers=layers)
+        self.attention = [l for l in layers if isinstance(l, PagedAttentionLayer)]
+        self.states = [l for l in layers if isinstance(l, SlotStateLayer)]
+
+    def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None) -> None:
+        for layer in self.attention:
+            layer.write_slots, layer.gather_idx = write_slots, gather_idx
+        for layer in self.states:
+            layer.bind_decode(decode_rows) if decode_rows is not None else layer.bind_prefill()
+
+    def nbytes(self) -> int:
+        return sum(l.buf.numel() * l.buf.element_size() for l in self.attention) + sum(
+            l.conv_buf.numel() * l.conv_buf.element_size() + l.ssm_buf.numel() * l.ssm_buf.element_size()
+            for l in self.states)

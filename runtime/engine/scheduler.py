@@ -1,0 +1,138 @@
+"""Continuous batching, plain Python: which sequences run in the next model step.
+
+Each step is either a prefill (one sequence: its uncached tokens, in chunks when long and the model
+allows it) or a decode of every running sequence (one token each). Requests join between steps and leave
+when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
+its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
+so nothing is lost and no sequence ever writes into another's cache.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .allocator import BlockAllocator, SlotAllocator
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Step:
+    kind: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    #: tokens each sequence feeds this step (its uncached tokens, or a chunk of them)
+    num_tokens: list[int]
+    #: SSM state rows to move before the step (from_row, to_row), left by sequences that finished/preempted
+    moves: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockAllocator | None, slots: SlotAllocator | None, *, max_num_seqs: int,
+                 max_prefill_tokens: int, chunked_prefill: bool):
+        self.blocks, self.slots = blocks, slots
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._moves: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if self.blocks is not None:
+            need = self.blocks.blocks_for(len(seq) + seq.params.max_tokens)
+            if need > self.blocks.num_blocks - 1:
+                raise ValueError(f"request {seq.request_id} needs {need} cache blocks for its prompt and max_tokens "
+                                 f"but the cache has {self.blocks.num_blocks - 1}: raise the cache memory budget or "
+                                 "lower max_tokens")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------------
+    def schedule(self) -> Step | None:
+        step = self._schedule_prefill() or self._schedule_decode()
+        if step is not None:
+            step.moves, self._moves = self._moves, []
+        return step
+
+    def _schedule_prefill(self) -> Step | None:
+        partial = [s for s in self.running if s.num_uncached > 1]
+        if partial:
+            seq = partial[0]
+        elif self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+        else:
+            return None
+        n = seq.num_uncached
+        if self.chunked_prefill:
+            n = min(n, self.max_prefill_tokens)
+        if not self._reserve(seq, seq.num_cached + n):
+            return None
+        if seq.status is Status.WAITING:
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._sort_running()
+        return Step("prefill", [seq], [n])
+
+    def _schedule_decode(self) -> Step | None:
+        batch = [s for s in self.running if s.num_uncached == 1]
+        for seq in list(batch):
+            while seq.status is Status.RUNNING and not self._reserve(seq, len(seq)):
+                victim = self.running[-1]  # the most recently admitted (possibly seq itself)
+                self.preempt(victim)
+                if victim in batch:
+                    batch.remove(victim)
+        batch = [s for s in batch if s.status is Status.RUNNING]
+        if not batch:
+            return None
+        return Step("decode", batch, [1] * len(batch))
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` cached tokens, and a state row; False when the cache is full."""
+        if self.slots is not None and seq.state_slot is None:
+            if not self.slots.can_allocate():
+                return False
+        if self.blocks is not None:
+            need = self.blocks.blocks_for(num_tokens) - len(seq.blocks)
+            if need > 0:
+                if not self.blocks.can_allocate(need):
+                    return False
+                seq.blocks += self.blocks.allocate(need)
+        if self.slots is not None and seq.state_slot is None:
+            seq.state_slot = self.slots.allocate(seq)
+        return True
+
+    def _sort_running(self) -> None:
+        if self.slots is not None:  # decode batches follow state rows (the model sees a prefix view)
+            self.running.sort(key=lambda s: s.state_slot)
+
+    # ------------------------------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        if self.blocks is not None and seq.blocks:
+            self.blocks.free(seq.blocks)
+        seq.blocks = []
+        if self.slots is not None and seq.state_slot is not None:
+            move = self.slots.free(seq.state_slot)
+            if move is not None:
+                src, dst, moved = move
+                moved.state_slot = dst
+                self._moves.append((src, dst))
+        seq.state_slot = None
+        if seq in self.running:
+            self.running.remove(seq)
+        self._sort_running()
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
