@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compiler.hf import cache_kwarg
 
@@ -21,6 +22,9 @@ from .sampler import sample
 from .scheduler import Step
 
 
+# cuDNN attention's meta function fails on symbolic shapes (dynamic=True graphs, torch 2.11 on the H200):
+# SDPA inside the engine may pick flash, memory-efficient or math kernels
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -104,12 +108,13 @@ class ModelRunner:
             kwargs["attention_mask"] = mask
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
-        if step.kind == "decode":
-            if self.cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            logits = self.decode_forward(ids, **kwargs).logits[:len(step.seqs), -1]
-        else:
-            logits = self.forward(ids, **kwargs).logits[:, -1]
+        with sdpa_kernel(SDPA_BACKENDS):
+            if step.kind == "decode":
+                if self.cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = self.decode_forward(ids, **kwargs).logits[:len(step.seqs), -1]
+            else:
+                logits = self.forward(ids, **kwargs).logits[:, -1]
         if step.kind == "prefill" and self.cache.states:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
