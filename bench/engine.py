@@ -115,6 +115,32 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> t
     return spent["prefill"], spent["decode"], steps, [engine.output(i).token_ids for i in ids]
 
 
+def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> None:
+    """Where a decode step's wall time goes: host-side (Python, launches) vs GPU kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for p in prompts.tolist():
+        engine.add_request(p, params)
+    while engine.stats["decode_tokens"] == 0 or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
+    tag(f"profile B={prompts.shape[0]}: wall {wall:.3f} ms/step (profiled), GPU kernels {gpu:.3f} ms/step")
+    print(events.table(sort_by="cpu_time_total", row_limit=30))
+    print(events.table(sort_by="self_device_time_total", row_limit=15))
+
+
 def agreeing_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     n = []
     for x, y in zip(a, b):
@@ -158,6 +184,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     tag(f"{name} {variant} B={b}: {new} tokens")
                     pre, dec, steps, out = engine_generate(engine, prompts, new)
                     row.update(ttft_ms=pre * 1e3, tpot_ms=dec / steps * 1e3)
+                    if args.profile:
+                        profile_decode(engine, prompts)
                     if b in eager_ids:
                         row["agreeing_prefix"] = agreeing_prefix(out, eager_ids[b])
                     roof, parts = step_roofline_ms(model, engine, b, args.prompt + args.output / 2)
@@ -209,6 +237,7 @@ def main() -> int:
     ap.add_argument("--eager-output", type=int, default=32)
     ap.add_argument("--cache-mb", type=int, default=4096)
     ap.add_argument("--compile", default="hybrid-cudagraphs")
+    ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
     args = ap.parse_args()

@@ -1,9 +1,10 @@
 """The engine's caches, as an HF ``Cache`` the unmodified model writes into.
 
-- Attention and MLA layers: one paged buffer per layer, ``[num_blocks * block_size, heads, Dk + Dv]``
+- Attention and MLA layers: one paged buffer per layer, ``[num_blocks * block_size, heads, Dv + Dk]``
   (for MLA: heads = 1, Dk = kv_lora_rank, Dv = rope dim, i.e. the latent cache of 576 values per token);
   ``update`` writes the step's tokens at ``write_slots`` and returns the keys/values gathered by
-  ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are masked out).
+  ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are masked out), or on
+  a paged decode step the buffer itself (see ``attention.py``).
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a prefill binds nothing and HF creates fresh
   states, which the runner then copies into the new sequence's row.
@@ -65,23 +66,27 @@ class PagedAttentionLayer(CacheLayerMixin):
 
     def __init__(self, num_rows: int, heads: int, k_dim: int, v_dim: int, dtype, device):
         super().__init__()
-        self.k_dim = k_dim
-        self.buf = torch.zeros(num_rows, heads, k_dim + v_dim, dtype=dtype, device=device)
+        self.v_dim = v_dim
+        self.buf = torch.zeros(num_rows, heads, v_dim + k_dim, dtype=dtype, device=device)  # rows are [v | k]
         torch._dynamo.mark_static_address(self.buf)
         self.write_slots = torch.zeros(1, dtype=torch.long, device=device)
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.paged = False  # decode step read in place by runtime/engine/attention.py
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # buffers exist from the start
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key/value [B, H, T, D] -> cached keys/values [B, H, S, D] for the step's gather map."""
+        """key/value [B, H, T, D] -> cached keys/values [B, H, S, D] for the step's gather map (or, on a paged
+        decode step, the whole buffer for the paged attention function)."""
         b, h, t, _ = key_states.shape
-        rows = torch.cat([key_states, value_states], dim=-1).transpose(1, 2).reshape(b * t, h, -1)
+        rows = torch.cat([value_states, key_states], dim=-1).transpose(1, 2).reshape(b * t, h, -1)
         self.buf.index_copy_(0, self.write_slots, rows.to(self.buf.dtype))
-        kv = self.buf[self.gather_idx].transpose(1, 2)  # [B, H, S, Dk + Dv]
-        return kv[..., :self.k_dim], kv[..., self.k_dim:]
+        if self.paged:
+            return self.buf, self.buf
+        kv = self.buf[self.gather_idx].transpose(1, 2)  # [B, H, S, Dv + Dk]
+        return kv[..., self.v_dim:], kv[..., :self.v_dim]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.gather_idx.shape[1], 0
@@ -139,9 +144,10 @@ class PagedCache(Cache):
         self.attention = [l for l in layers if isinstance(l, PagedAttentionLayer)]
         self.states = [l for l in layers if isinstance(l, SlotStateLayer)]
 
-    def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None) -> None:
+    def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
+             paged: bool = False) -> None:
         for layer in self.attention:
-            layer.write_slots, layer.gather_idx = write_slots, gather_idx
+            layer.write_slots, layer.gather_idx, layer.paged = write_slots, gather_idx, paged
         for layer in self.states:
             layer.bind_decode(decode_rows) if decode_rows is not None else layer.bind_prefill()
 

@@ -28,7 +28,7 @@ DEFAULT_CPU_BUDGET = 256 << 20
 class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, compile: str | None = "auto",
-                 bucket_decode: bool | None = None):
+                 bucket_decode: bool | None = None, paged_decode: bool | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -55,7 +55,9 @@ class Engine:
         # HF's Mamba torch paths do not continue a multi-token chunk from a cached state: prefill SSM models whole
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, chunked_prefill=not has_ssm)
-        self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode)
+        if paged_decode is None:  # MHA/GQA decode attention in place (Triton); MLA layers have their own pass
+            paged_decode = has_attn and self.device.type == "cuda" and not hasattr(model.config, "kv_lora_rank")
+        self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode)
         self._seqs: dict[int, Sequence] = {}
         self.stats = dict(steps=0, prefill_tokens=0, decode_tokens=0)
 

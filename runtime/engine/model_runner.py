@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compiler.hf import cache_kwarg
 
+from . import attention
 from .allocator import BlockAllocator
 from .cache import PagedCache
 from .sampler import sample
@@ -35,7 +36,7 @@ def decode_bucket(n: int) -> int:
 
 class ModelRunner:
     def __init__(self, model, cache: PagedCache, blocks: BlockAllocator | None, compile: str | None,
-                 bucket_decode: bool):
+                 bucket_decode: bool, paged_decode: bool):
         self.model = model
         self.cache = cache
         self.blocks = blocks
@@ -45,9 +46,20 @@ class ModelRunner:
         self.keep_last = "logits_to_keep" in params
         self.cudagraphs = compile == "hybrid-cudagraphs"
         self.bucket_decode = bucket_decode  # pad decode batches / widths to buckets (required by CUDA graphs)
-        self.forward, self.decode_forward = self._compiled(model, compile)
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+        self.paged_decode = paged_decode
+        if paged_decode:  # decode attention reads the paged buffers in place (attention.py); prefill stays SDPA
+            heads = {layer.buf.shape[1] for layer in cache.attention}
+            if len(heads) != 1:
+                raise ValueError(f"paged decode needs one kv-head count across layers, got {sorted(heads)}")
+            self.kv_heads = heads.pop()
+            attention.register()
+            model.config._attn_implementation = attention.NAME
+            self.bool_mask = True
+        self.forward, self.decode_forward = self._compiled(model, compile)
         self.mask_keys = self._mask_keys(model.config)
+        self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
+        self._copied: torch.cuda.Event | None = None
 
     @staticmethod
     def _compiled(model, compile: str | None):
@@ -82,6 +94,24 @@ class ModelRunner:
             for layer in self.cache.states:
                 layer.move_row(src, dst)
 
+    def _upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """The step's small integer inputs in one host-to-device copy (pinned staging buffer on CUDA, so the
+        copy is asynchronous: a pageable copy per tensor would synchronise the stream several times a step)."""
+        sizes = [len(x) for x in lists]
+        host = torch.tensor([v for x in lists for v in x], dtype=torch.long)
+        if self.device.type != "cuda":
+            return list(host.split(sizes))
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=True)
+        staged = self._staging[:host.numel()]
+        staged.copy_(host)
+        dev = staged.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return list(dev.split(sizes))
+
     @torch.no_grad()
     def run(self, step: Step) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None for a prefill chunk that is not last)."""
@@ -89,21 +119,27 @@ class ModelRunner:
         if step.kind == "prefill":
             (seq,), (n,) = step.seqs, step.num_tokens
             start = seq.num_cached
-            ids = torch.tensor([seq.tokens[start:start + n]], device=self.device)
-            positions = torch.arange(start, start + n, device=self.device)[None]
-            lengths = [start + n]
-            pad, decode_rows = 0, None
+            ids, positions = seq.tokens[start:start + n], list(range(start, start + n))
+            lengths, pad, rows, q_len = [start + n], 0, None, n
         else:
             pad = decode_bucket(len(step.seqs)) - len(step.seqs) if self.bucket_decode else 0
-            ids = torch.tensor([[s.tokens[-1]] for s in step.seqs] + [[0]] * pad, device=self.device)
-            positions = torch.tensor([[len(s) - 1] for s in step.seqs] + [[0]] * pad, device=self.device)
-            lengths = [len(s) for s in step.seqs]
-            decode_rows = len(step.seqs) + pad
+            ids = [s.tokens[-1] for s in step.seqs] + [0] * pad
+            positions = [len(s) - 1 for s in step.seqs] + [0] * pad
+            lengths, rows, q_len = [len(s) for s in step.seqs], len(step.seqs) + pad, 1
             if self.cache.states:
-                rows = [s.state_slot for s in step.seqs]
-                assert rows == list(range(len(rows))), f"decode batch must be state rows 0..n-1, got {rows}"
-        mask = self._bind(step, ids.shape[1], lengths, pad, decode_rows)
-        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions}
+                slots = [s.state_slot for s in step.seqs]
+                assert slots == list(range(len(slots))), f"decode batch must be state rows 0..n-1, got {slots}"
+        batch = rows or 1
+        if self.cache.attention:
+            width, table, pads = self._layout(step, lengths, pad)
+            ids_t, pos_t, table_t, pads_t = self._upload([ids, positions, table, pads])
+            mask, extra = self._bind(step.kind, q_len, width, table_t.view(batch, -1), pads_t, rows)
+        else:
+            extra = {}
+            ids_t, pos_t = self._upload([ids, positions])
+            self.cache.bind(None, None, rows)
+            mask = None
+        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": pos_t.view(batch, q_len), **extra}
         if mask is not None:
             kwargs["attention_mask"] = mask
         if self.keep_last:
@@ -112,9 +148,9 @@ class ModelRunner:
             if step.kind == "decode":
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                logits = self.decode_forward(ids, **kwargs).logits[:len(step.seqs), -1]
+                logits = self.decode_forward(ids_t.view(batch, q_len), **kwargs).logits[:len(step.seqs), -1]
             else:
-                logits = self.forward(ids, **kwargs).logits[:, -1]
+                logits = self.forward(ids_t.view(batch, q_len), **kwargs).logits[:, -1]
         if step.kind == "prefill" and self.cache.states:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
@@ -127,37 +163,50 @@ class ModelRunner:
         it = iter(sampled)
         return [next(it) if d else None for d in done]
 
-    def _bind(self, step: Step, q_len: int, lengths: list[int], pad_rows: int, decode_rows: int | None):
-        """Cache maps for the step and the attention mask the model gets (None when it has no attention).
+    def _layout(self, step: Step, lengths: list[int], pad_rows: int) -> tuple[int, list[int], list[int]]:
+        """(keys per row, flat block table [rows x width/block], left padding per row) of a step.
 
-        Row b of the step attends to ``width`` keys, left-padded: key j holds position j - pad[b]. Maps are
-        built on the device from the block table, so a step costs a few small host-to-device copies whatever
-        the context length. Padding rows (CUDA-graph buckets) see one key, in the reserved block 0.
+        Row b attends to ``width`` keys, left-padded: key j holds position j - pad[b]. Padding rows (CUDA-graph
+        buckets) see one key, in the reserved block 0.
         """
-        if not self.cache.attention:
-            self.cache.bind(None, None, decode_rows)
-            return None
         bs = self.blocks.block_size
         width = -(-max(lengths) // bs) * bs  # keys per row, padded to whole blocks
         if self.bucket_decode and step.kind == "decode":
             width = max(bs, 1 << (width - 1).bit_length())  # power-of-two widths: few graph shapes
         nb = width // bs
-        table = [s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in step.seqs] + [[0] * nb] * pad_rows
-        pads = [width - n for n in lengths] + [width - 1] * pad_rows
-        dev = self.device
-        table_t, pad_t = torch.tensor(table, device=dev), torch.tensor(pads, device=dev)
-        pos = torch.arange(width, device=dev)[None, :] - pad_t[:, None]  # [B, width]; < 0 is padding
+        table = []
+        for s in step.seqs:
+            own = s.blocks[:nb]
+            table += own + [0] * (nb - len(own))
+        table += [0] * (nb * pad_rows)
+        return width, table, [width - n for n in lengths] + [width - 1] * pad_rows
+
+    def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None):
+        """Bind the step's cache maps, built on the device from the block table; returns the attention mask
+        and extra forward kwargs (the paged-attention maps of a paged decode step)."""
+        bs = self.blocks.block_size
+        arange = torch.arange(width, device=self.device)[None, :]
+        pos = arange - pads[:, None]  # [B, width]; < 0 is padding
         keep = pos >= 0
         pos = pos.clamp(min=0)
-        gather_idx = torch.where(keep, table_t.gather(1, pos // bs) * bs + pos % bs, 0)
+        gather_idx = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0)
         writes = gather_idx[:, width - q_len:].reshape(-1)  # a row's own tokens are its last q_len keys
-        self.cache.bind(writes, gather_idx, decode_rows)
-        # query i of a row sits at key index width - q_len + i: causal within the step's own tokens
-        q_idx = torch.arange(width - q_len, width, device=dev)[:, None]
-        mask = keep[:, None, None, :] & (torch.arange(width, device=dev)[None, :] <= q_idx)[None, None]
+        paged = self.paged_decode and kind == "decode"
+        self.cache.bind(writes, gather_idx, rows, paged)
+        extra = {}
+        if paged:  # the same positions, valid keys first, as rows of the per-head view of the buffers
+            lengths = width - pads
+            key = arange.expand(table.shape[0], width)
+            slots = torch.where(key < lengths[:, None], table.gather(1, key // bs) * bs + key % bs, 0)
+            extra["hybrid_block_table"], extra["hybrid_seq_lens"] = attention.decode_maps(slots, lengths,
+                                                                                          self.kv_heads)
+        mask = keep[:, None, None, :]
+        if kind == "prefill":  # query i sits at key index width - q_len + i: causal within the step's tokens
+            q_idx = torch.arange(width - q_len, width, device=self.device)[:, None]
+            mask = mask & (torch.arange(width, device=self.device)[None, :] <= q_idx)[None, None]
         if not self.bool_mask:
             dtype = self.cache.attention[0].buf.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill(~mask, torch.finfo(dtype).min)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
         if self.mask_keys is not None:
-            return {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
-        return mask
+            mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
+        return mask, extra
