@@ -3,9 +3,10 @@ positions, the step's cache maps and masks), runs the (compiled) model and sampl
 
 Decode batches are left-padded to the longest context, rounded up to a whole cache block; padding gathers
 the reserved block 0 and is masked out. Prefills run one sequence at a time, unpadded. With CUDA graphs
-(``compile="hybrid-cudagraphs"``) decode steps run a second compiled function in reduce-overhead mode,
-with the batch padded to a bucket of ``DECODE_BUCKETS`` and the context width to a power of two, so a
-handful of recorded graphs serve every step; prefills stay uncaptured.
+(``compile="hybrid-cudagraphs"``) a decode step's batch is padded to a bucket of ``DECODE_BUCKETS`` and its
+context width to a power of two, and the whole step (cache maps, masks, the compiled model) is recorded
+as one CUDA graph per (bucket, width), replayed after a single host-to-device copy of the step's inputs,
+as nano-vllm and vLLM do; prefills stay uncaptured.
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ class ModelRunner:
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
+        self.graphs_enabled = self.cudagraphs and self.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
 
     @staticmethod
     def _compiled(model, compile: str | None):
@@ -70,9 +74,9 @@ class ModelRunner:
         if compile == "hybrid":
             fwd = torch.compile(model.forward, backend="hybrid", dynamic=True)
             return fwd, fwd
-        if compile == "hybrid-cudagraphs":
-            return (torch.compile(model.forward, backend="hybrid", dynamic=True),
-                    torch.compile(model.forward, backend="hybrid", dynamic=True, mode="reduce-overhead"))
+        if compile == "hybrid-cudagraphs":  # the runner records the decode graphs itself (_capture)
+            fwd = torch.compile(model.forward, backend="hybrid", dynamic=True)
+            return fwd, fwd
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
             fwd = torch.compile(model.forward, backend="hybrid", dynamic=True, options={"inductor": False})
             return fwd, fwd
@@ -94,9 +98,10 @@ class ModelRunner:
             for layer in self.cache.states:
                 layer.move_row(src, dst)
 
-    def _upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
+    def _upload(self, lists: list[list[int]], out: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The step's small integer inputs in one host-to-device copy (pinned staging buffer on CUDA, so the
-        copy is asynchronous: a pageable copy per tensor would synchronise the stream several times a step)."""
+        copy is asynchronous: a pageable copy per tensor would synchronise the stream several times a step);
+        into ``out`` (a graph's static input buffer) when given."""
         sizes = [len(x) for x in lists]
         host = torch.tensor([v for x in lists for v in x], dtype=torch.long)
         if self.device.type != "cuda":
@@ -107,7 +112,10 @@ class ModelRunner:
             self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=True)
         staged = self._staging[:host.numel()]
         staged.copy_(host)
-        dev = staged.to(self.device, non_blocking=True)
+        if out is not None:
+            dev = out.copy_(staged, non_blocking=True)
+        else:
+            dev = staged.to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         return list(dev.split(sizes))
@@ -132,25 +140,14 @@ class ModelRunner:
         batch = rows or 1
         if self.cache.attention:
             width, table, pads = self._layout(step, lengths, pad)
-            ids_t, pos_t, table_t, pads_t = self._upload([ids, positions, table, pads])
-            mask, extra = self._bind(step.kind, q_len, width, table_t.view(batch, -1), pads_t, rows)
+            host = [ids, positions, table, pads]
         else:
-            extra = {}
-            ids_t, pos_t = self._upload([ids, positions])
-            self.cache.bind(None, None, rows)
-            mask = None
-        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": pos_t.view(batch, q_len), **extra}
-        if mask is not None:
-            kwargs["attention_mask"] = mask
-        if self.keep_last:
-            kwargs["logits_to_keep"] = 1
-        with sdpa_kernel(SDPA_BACKENDS):
-            if step.kind == "decode":
-                if self.cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                logits = self.decode_forward(ids_t.view(batch, q_len), **kwargs).logits[:len(step.seqs), -1]
-            else:
-                logits = self.forward(ids_t.view(batch, q_len), **kwargs).logits[:, -1]
+            width, host = 0, [ids, positions]
+        if step.kind == "decode" and self.graphs_enabled:
+            logits = self._replay(batch, width, host)
+        else:
+            logits = self._forward(step.kind, q_len, width, batch, rows, self._upload(host))
+        logits = logits[:len(step.seqs), -1]
         if step.kind == "prefill" and self.cache.states:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
@@ -162,6 +159,68 @@ class ModelRunner:
                          [s.generator for s, d in zip(step.seqs, done) if d])
         it = iter(sampled)
         return [next(it) if d else None for d in done]
+
+    def _forward(self, kind: str, q_len: int, width: int, batch: int, rows: int | None,
+                 inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Bind the step's cache maps and run the model: all a recorded decode graph contains."""
+        if self.cache.attention:
+            mask, extra = self._bind(kind, q_len, width, inputs[2].view(batch, -1), inputs[3], rows)
+        else:
+            mask, extra = None, {}
+            self.cache.bind(None, None, rows)
+        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": inputs[1].view(batch, q_len), **extra}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1
+        with sdpa_kernel(SDPA_BACKENDS):
+            fwd = self.decode_forward if kind == "decode" else self.forward
+            return fwd(inputs[0].view(batch, q_len), **kwargs).logits
+
+    # -- CUDA graphs of decode steps ------------------------------------------------------------------
+    def _replay(self, batch: int, width: int, host: list[list[int]]) -> torch.Tensor:
+        """One decode step as a CUDA graph replay, recorded on first use of a (batch bucket, width)."""
+        entry = self._graphs.get((batch, width))
+        if entry is None:
+            try:
+                entry = self._capture(batch, width, host)
+            except Exception as e:  # noqa: BLE001  (uncapturable model: run it uncaptured, say why)
+                import warnings
+                warnings.warn(f"hybrid engine: CUDA graph capture failed ({type(e).__name__}: {e}); decode steps "
+                              "run without CUDA graphs", stacklevel=2)
+                self.graphs_enabled = False
+                return self._forward("decode", 1, width, batch, batch, self._upload(host))
+        static_in, graph, out = entry
+        self._upload(host, out=static_in)
+        graph.replay()
+        return out
+
+    def _capture(self, batch: int, width: int, host: list[list[int]]):
+        sizes = [len(x) for x in host]
+        static_in = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
+        self._upload(host, out=static_in)
+        inputs = list(static_in.split(sizes))
+
+        def body():
+            return self._forward("decode", 1, width, batch, batch, inputs)
+        # warm-up runs (compilation happens here) update SSM states in place: put them back afterwards
+        saved = [(l.conv_buf[:batch].clone(), l.ssm_buf[:batch].clone()) for l in self.cache.states]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        for layer, (conv, ssm) in zip(self.cache.states, saved):
+            layer.conv_buf[:batch].copy_(conv)
+            layer.ssm_buf[:batch].copy_(ssm)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = body()
+        self._graphs[(batch, width)] = (static_in, graph, out)
+        return static_in, graph, out
 
     def _layout(self, step: Step, lengths: list[int], pad_rows: int) -> tuple[int, list[int], list[int]]:
         """(keys per row, flat block table [rows x width/block], left padding per row) of a step.
