@@ -45,7 +45,6 @@ class ModelRunner:
         self.kwarg = cache_kwarg(model)
         params = inspect.signature(model.forward).parameters
         self.keep_last = "logits_to_keep" in params
-        self.cudagraphs = compile == "hybrid-cudagraphs"
         self.bucket_decode = bucket_decode  # pad decode batches / widths to buckets (required by CUDA graphs)
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self.paged_decode = paged_decode
@@ -61,7 +60,7 @@ class ModelRunner:
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
-        self.graphs_enabled = self.cudagraphs and self.device.type == "cuda"
+        self.graphs_enabled = compile == "hybrid-cudagraphs" and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
