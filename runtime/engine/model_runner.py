@@ -130,7 +130,7 @@ class ModelRunner:
             lengths, pad, rows, q_len = [start + n], 0, None, n
         else:
             pad = decode_bucket(len(step.seqs)) - len(step.seqs) if self.bucket_decode else 0
-            ids = [s.tokens[-1] for s in step.seqs] + [0] * pad
+            ids = [s.last_token for s in step.seqs] + [0] * pad
             positions = [len(s) - 1 for s in step.seqs] + [0] * pad
             lengths, rows, q_len = [len(s) for s in step.seqs], len(step.seqs) + pad, 1
             if self.cache.states:

@@ -60,6 +60,10 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
 
