@@ -196,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
     g.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
-    g.add_argument("--compile", default="auto", help="auto | hybrid | hybrid-eager | none")
+    g.add_argument("--compile", default="auto",
+                   choices=["auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", "none"],
+                   help="auto: hybrid-cudagraphs on cuda (decode steps as CUDA graphs), hybrid-eager on cpu")
     g.add_argument("--cache-mb", type=int, help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
     g.set_defaults(fn=cmd_generate)
 

@@ -56,7 +56,7 @@ class ModelRunner:
             attention.register()
             model.config._attn_implementation = attention.NAME
             self.bool_mask = True
-        self.forward, self.decode_forward = self._compiled(model, compile)
+        self.forward = self._compiled(model, compile)
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
@@ -66,19 +66,13 @@ class ModelRunner:
 
     @staticmethod
     def _compiled(model, compile: str | None):
-        """(prefill forward, decode forward)."""
         if compile in (None, "none"):
-            return model.forward, model.forward
+            return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)
-        if compile == "hybrid":
-            fwd = torch.compile(model.forward, backend="hybrid", dynamic=True)
-            return fwd, fwd
-        if compile == "hybrid-cudagraphs":  # the runner records the decode graphs itself (_capture)
-            fwd = torch.compile(model.forward, backend="hybrid", dynamic=True)
-            return fwd, fwd
+        if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
+            return torch.compile(model.forward, backend="hybrid", dynamic=True)
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
-            fwd = torch.compile(model.forward, backend="hybrid", dynamic=True, options={"inductor": False})
-            return fwd, fwd
+            return torch.compile(model.forward, backend="hybrid", dynamic=True, options={"inductor": False})
         raise ValueError(f"unknown compile mode {compile!r}: use None, 'hybrid', 'hybrid-cudagraphs' or 'hybrid-eager'")
 
     def _mask_keys(self, config) -> dict[str, bool] | None:
@@ -173,8 +167,7 @@ class ModelRunner:
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
         with sdpa_kernel(SDPA_BACKENDS):
-            fwd = self.decode_forward if kind == "decode" else self.forward
-            return fwd(inputs[0].view(batch, q_len), **kwargs).logits
+            return self.forward(inputs[0].view(batch, q_len), **kwargs).logits
 
     # -- CUDA graphs of decode steps ------------------------------------------------------------------
     def _replay(self, batch: int, width: int, host: list[list[int]]) -> torch.Tensor:
