@@ -42,15 +42,18 @@ from runtime.ops.mla.cache import _mla_cache_write_kernel  # noqa: E402
 
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
 FULL = dict(L=512, R=64, P=128, V=128, block=64, heads=[16, 128], batches=[1, 8, 32, 64, 128],
-            lens=[1024, 4096, 16384], prefill=[1024, 4096, 8192], tune_shape=(64, 4096))
-SMOKE = dict(L=32, R=8, P=16, V=16, block=16, heads=[3], batches=[1, 3], lens=[40, 130], prefill=[40],
-             tune_shape=(2, 64))
+            lens=[1024, 4096, 16384], prefill=[1024, 4096, 8192])
+SMOKE = dict(L=32, R=8, P=16, V=16, block=16, heads=[3], batches=[1, 3], lens=[40, 130], prefill=[40])
 HF_MAX_BYTES = 40e9          # skip HF's expansion when its intermediates would exceed this
 CACHE_MAX_BYTES = 30e9       # skip decode combinations whose latent cache would exceed this
-TUNE = {  # (block_h, block_n, num_warps, num_stages); the first of each list is the shipped default
-    "decode_small_h": [(16, 64, 8, 2), (16, 32, 8, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 16, 8, 2), (16, 64, 8, 3)],
-    "decode_large_h": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (32, 32, 8, 2), (32, 64, 8, 2),
-                       (16, 64, 8, 2)],
+TUNE = {  # swept by --tune: kernels (block_h, block_n, num_warps, num_stages) x per_sm (programs resident per
+    # SM, which only sets the split count); scored by the summed time over the regime's tune shapes (B, S)
+    "decode_small_h": dict(kernels=[(16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 32, 8, 3), (16, 64, 4, 2),
+                                    (16, 64, 4, 3), (16, 64, 8, 2), (16, 64, 8, 3), (16, 128, 4, 2), (16, 128, 8, 2)],
+                           per_sm=[1, 2, 3, 4], shapes=[(8, 16384), (32, 4096), (128, 16384)]),
+    "decode_large_h": dict(kernels=[(64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1),
+                                    (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2)],
+                           per_sm=[1, 2], shapes=[(8, 16384), (64, 4096), (64, 16384)]),
 }
 
 
@@ -145,7 +148,7 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
     q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
     q_lat = ref.absorb_q(q_nope, w_uk)                                            # [B, H, L] (what the pass feeds)
     splits = kernels.choose_num_splits(B * triton.cdiv(H, kernels._tile_rows(H, False, 16, config["block_h"])[1]),
-                                       bt.shape[1] * sh["block"], config["block_n"])
+                                       bt.shape[1] * sh["block"], config["block_n"], config.get("per_sm", 1))
     row["num_splits"] = splits
 
     def ours():
@@ -190,22 +193,43 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
     return row
 
 
+def tune_candidates(regime: str, smoke: bool) -> tuple[list[dict], list[tuple[int, int]]]:
+    """The regime's grid as config dicts (the shipped CONFIGS first), and its tune shapes."""
+    grid = TUNE[regime]
+    keys = ["block_h", "block_n", "num_warps", "num_stages", "per_sm"]
+    shipped = dict(kernels.CONFIGS[regime])
+    cands = [shipped] + [c for c in (dict(zip(keys, (*k, p))) for k in grid["kernels"] for p in grid["per_sm"])
+                         if c != shipped]
+    if smoke:
+        return cands[:2], [(2, 64)]
+    return cands, grid["shapes"]
+
+
 def tune(regime: str, H: int, sh: dict, dev, dtype, args) -> tuple[dict, list]:
-    """Time each candidate config at the tune shape; returns (best config, rows)."""
-    B, S = sh["tune_shape"]
-    rows = []
-    cands = TUNE[regime] if not args.smoke else TUNE[regime][:2]
-    for bh, bn, w, st in cands:
-        cfg = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st)
+    """Time each candidate config at the regime's tune shapes; returns (best config, rows). Candidates that
+    only differ in per_sm but give the same split counts are timed once."""
+    cands, shapes = tune_candidates(regime, args.smoke)
+    quiet = argparse.Namespace(**{**vars(args), "no_hf": True})
+    rows, seen = [], {}
+    for cfg in cands:
+        bh = kernels._tile_rows(H, False, 16, cfg["block_h"])[1]
+        splits = tuple(kernels.choose_num_splits(B * triton.cdiv(H, bh), triton.cdiv(S, sh["block"]) * sh["block"],
+                                                 cfg["block_n"], cfg["per_sm"]) for B, S in shapes)
+        kernel_key = (cfg["block_h"], cfg["block_n"], cfg["num_warps"], cfg["num_stages"], splits)
+        if kernel_key in seen:
+            continue
+        seen[kernel_key] = cfg
+        times = []
         try:
-            r = decode_row(H, S, B, sh, dev, dtype, argparse.Namespace(**{**vars(args), "no_hf": True}), cfg)
+            for B, S in shapes:
+                r = decode_row(H, S, B, sh, dev, dtype, quiet, cfg)
+                if r.get("mismatch"):
+                    raise RuntimeError("wrong results")
+                times.append(r["ours_ms"])
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and move on
             log(f"  tune {regime} {cfg}: failed: {type(exc).__name__}: {str(exc)[:100]}")
             continue
-        if r.get("mismatch"):
-            log(f"  tune {regime} {cfg}: wrong results, discarded")
-            continue
-        rows.append(dict(cfg=cfg, ms=r["ours_ms"], pct=r["pct_roofline"]))
+        rows.append(dict(cfg=cfg, splits=splits, ms=sum(times), per_shape_ms=times))
     best = min(rows, key=lambda r: r["ms"])["cfg"] if rows else dict(kernels.CONFIGS[regime])
     return best, rows
 
@@ -342,7 +366,8 @@ def compile_check() -> None:
                 f"{k.metadata.shared} B {'wgmma' if 'wgmma' in k.asm['ptx'] else 'mma.sync'}")
 
     for regime, H in (("decode_small_h", 16), ("decode_large_h", 128)):
-        for bh, bn, w, st in TUNE[regime]:
+        kernel_cfgs = {(c["block_h"], c["block_n"], c["num_warps"], c["num_stages"]) for c in tune_candidates(regime, False)[0]}
+        for bh, bn, w, st in sorted(kernel_cfgs):
             try:
                 log(f"{regime} H={H} bh={bh} bn={bn} warps={w} stages={st}: {one(H, 0, 1, bh, bn, w, st, False, True)}")
             except Exception as exc:  # noqa: BLE001
@@ -416,10 +441,12 @@ def main() -> None:
         if args.no_tune:
             tuned[regime] = dict(kernels.CONFIGS[regime])
             continue
-        log(f"tuning {regime} at H={H} B,S={sh['tune_shape']} over {len(TUNE[regime])} configs")
+        cands, shapes = tune_candidates(regime, smoke)
+        log(f"tuning {regime} at H={H}, (B, S) in {shapes}, over {len(cands)} configs")
         tuned[regime], tune_rows[regime] = tune(regime, H, sh, dev, dtype, args)
-        for r in sorted(tune_rows[regime], key=lambda r: r["ms"]):
-            log(f"    {r['cfg']}: {r['ms']:.4f} ms ({r['pct']:.0f}% of roofline)")
+        for r in sorted(tune_rows[regime], key=lambda r: r["ms"])[:12]:
+            log(f"    {r['cfg']} splits {r['splits']}: {r['ms']:.4f} ms "
+                f"({' + '.join(f'{t:.4f}' for t in r['per_shape_ms'])})")
         log(f"  -> best {regime}: {tuned[regime]} (paste into runtime/ops/mla/kernels.py CONFIGS if it differs)")
     rows = []
     for H in heads:

@@ -24,6 +24,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time at the shipped CONFIG, no sweep")
     args = ap.parse_args()
     import triton
     H, P, N, G = args.heads, 64, 128, 1
@@ -42,6 +43,10 @@ def main() -> int:
         D = torch.randn(H, device="cuda")
         dtb = torch.randn(H, device="cuda")
         ref = None
+        if args.profile:
+            profile(lambda: kernels.ssd_scan_triton(x, dt, A, Bm, Cm, 256, D, None, dtb, True, 0.0, float("inf"), None),
+                    T, H)
+            continue
         for cfg in grid:
             kernels.CONFIG["ssd"] = {**base, **cfg}
             try:
@@ -64,6 +69,26 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(dict(rows=rows, best=best), indent=1))
     return 0
+
+
+def profile(fn, T: int, H: int) -> None:
+    """Per-kernel GPU time of one call (median over 20 profiled calls), to see where the scan's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        ms = ev.device_time_total / 20 / 1e3
+        if ms > 0:
+            total += ms
+            print(f"  T={T} H={H} {ev.key[:60]:60s} {ms:8.4f} ms/call ({ev.count // 20} launches)", flush=True)
+    print(f"  T={T} H={H} total {total:.4f} ms/call = {T / total / 1e3:.2f} M tok/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,24 @@ def test_without_verify_the_same_wrong_rewrite_would_apply():
     (gm, ex), *_ = capture_graphs(model, prompt(model, 1, 6))
     ctx = PassContext(gm, ex, Options())
     assert WrongMoE().run(ctx) == 2
+
+
+@pytest.mark.parametrize("name,twins", [("mixtral", {"moe_block_rt"}), ("deepseek_v2", {"moe_block_rt", "mla_attention_rt"})])
+def test_run_time_configs_emit_opaque_twins(name, twins):
+    """run_time_configs: MoE / MLA calls become their opaque run-time twins (no guard on the token count) and
+    the results stay eager's, for several batch sizes through one compiled function."""
+    from compiler.backend import hybrid_backend
+    model = zoo.build(name)
+    graphs = capture_graphs(model, prompt(model))
+    found = set()
+    for gm, example_inputs in graphs:
+        hybrid_backend(gm, example_inputs, options={"inductor": False, "run_time_configs": True})
+        found |= {str(n.target).split(".")[1] for n in gm.graph.nodes
+                  if n.op == "call_function" and str(n.target).startswith("hybrid.")}
+    assert twins <= found and not {t[:-3] for t in twins} & found, found
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="hybrid", dynamic=True, options={"run_time_configs": True})
+    for batch in (2, 5):
+        ids = prompt(model, batch=batch, tokens=7, seed=batch)
+        with torch.no_grad():
+            torch.testing.assert_close(fn(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)

@@ -209,3 +209,22 @@ def test_cuda_graph_decode_matches_hf_generate(name):
     engine.runner.graphs_enabled = True
     outs = engine.generate(prompts, SamplingParams(max_tokens=10))
     assert [o.token_ids for o in outs] == ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton launch configs only exist on the GPU")
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v2"])
+def test_engine_compile_does_not_recompile_per_token_bucket(name):
+    """The engine's compiled forward (run_time_configs) runs batches across every MoE token bucket and the
+    MLA split choices with one graph; outputs stay eager's."""
+    from torch._dynamo.utils import counters
+
+    from runtime.engine.model_runner import ModelRunner
+    model = zoo.build(name, device="cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    fn = ModelRunner._compiled(model, "hybrid")
+    for batch in (2, 3, 6, 20, 70, 300):
+        ids = torch.randint(0, model.config.vocab_size, (batch, 3), device="cuda")
+        with torch.no_grad():
+            torch.testing.assert_close(fn(ids).logits, model(ids).logits, rtol=1e-3, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

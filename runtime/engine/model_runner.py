@@ -69,10 +69,12 @@ class ModelRunner:
         if compile in (None, "none"):
             return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)
+        # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
-            return torch.compile(model.forward, backend="hybrid", dynamic=True)
+            return torch.compile(model.forward, backend="hybrid", dynamic=True, options={"run_time_configs": True})
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
-            return torch.compile(model.forward, backend="hybrid", dynamic=True, options={"inductor": False})
+            return torch.compile(model.forward, backend="hybrid", dynamic=True,
+                                 options={"inductor": False, "run_time_configs": True})
         raise ValueError(f"unknown compile mode {compile!r}: use None, 'hybrid', 'hybrid-cudagraphs' or 'hybrid-eager'")
 
     def _mask_keys(self, config) -> dict[str, bool] | None:

@@ -3,3 +3,6 @@ from . import mla, moe, ssm  # noqa: F401
 from .mla import dropin  # noqa: F401
 from .moe import block  # noqa: F401
 from .ssm import mixer  # noqa: F401
+from . import run_time  # noqa: E402
+
+run_time.register()

@@ -33,3 +33,13 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def op_name(name: str) -> str:
     return f"{NAMESPACE}::{name}"
+
+
+def size_hint(n) -> int:
+    """A size as a plain int for a launch-config choice, without adding a guard: a symbolic size (under
+    torch.compile) gives the value it was traced with, and the choice is then fixed in the graph. Use it only
+    where every choice is correct for every size (split counts, tile sizes), never for bounds."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        return int(hint) if hint is not None else 1
+    return int(n)

@@ -99,6 +99,9 @@ def test_choose_num_splits_is_shape_only():
     assert kernels.choose_num_splits(1, 16384, 64) == 64                    # capped by max_splits
     assert kernels.choose_num_splits(8, 1024, 64) == 4                      # capped by min_tokens per split
     assert kernels.choose_num_splits(8, 0, 64) == 1
+    # the last wave stays full: 128 sequences x 2 splits = 256 programs fit 132 SMs x 2 at once; 3 would not
+    assert kernels.choose_num_splits(128, 16384, 64, per_sm=2) == 2
+    assert kernels.choose_num_splits(64, 16384, 64, per_sm=2) == 4
 
 
 # ---------------------------------------------------------------------------------------------- prefill

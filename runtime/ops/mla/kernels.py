@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..library import size_hint
 from .cache import mla_cache_write_triton  # noqa: F401  (re-exported launcher)
 
 MODE_DECODE, MODE_PREFILL, MODE_DENSE = 0, 1, 2
@@ -38,18 +39,19 @@ LOG2E = 1.4426950408889634
 CONFIGS = {
     # H <= 32, memory-bound: one tile holds every head so each latent byte is read from HBM once.
     # (sm_90 ptxas, triton 3.9: 128 regs, no spills, 94 KB smem -> 2 programs per SM, mma.sync)
-    "decode_small_h": dict(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    "decode_small_h": dict(block_h=16, block_n=64, num_warps=8, num_stages=2, per_sm=2),
     # H > 32, tensor-core-bound: 64 heads per tile so the dots are wgmma (M=64); q sits in smem, the
     # [64, L] fp32 accumulator takes 128 regs/thread over 8 warps (255 regs, ~100-200 B spills on sm_90).
     # Alternative without spills: block_h=32, block_n=32 (mma.sync, 170 regs). bench/mla.py --tune decides.
-    "decode_large_h": dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    "decode_large_h": dict(block_h=64, block_n=32, num_warps=8, num_stages=2, per_sm=1),
     # prefill / dense (T > 1): BQ query tokens x BH heads = block_m rows per tile (wgmma M=64)
     "prefill": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "dense": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "merge": dict(num_warps=4),
-    # split-KV: aim for `waves` programs per SM; keep >= min_tokens keys per split so the fp32 partials
-    # (H*L*4 bytes per split, mostly L2-resident) stay small next to the keys they summarise.
-    "split": dict(num_sms=132, waves=2, min_tokens=256, max_splits=64),
+    # split-KV (choose_num_splits): keep >= min_tokens keys per split so the fp32 partials (H*L*4 bytes per
+    # split, mostly L2-resident) stay small next to the keys they summarise; overhead and merge_launch are
+    # in units of keys read by one program (setup + partial write; the merge kernel's launch).
+    "split": dict(num_sms=132, min_tokens=256, max_splits=64, overhead=64, merge_launch=128),
 }
 
 
@@ -61,15 +63,29 @@ def decode_config(num_heads: int) -> dict:
     return dict(CONFIGS["decode_small_h" if num_heads <= 32 else "decode_large_h"])
 
 
-def choose_num_splits(num_programs: int, max_len: int, block_n: int) -> int:
-    """Split-KV factor from shapes only: enough programs to fill the GPU, but not fewer than
-    min_tokens keys per split (max_len is the capacity, not the live length: no host sync)."""
+def choose_num_splits(num_programs, max_len, block_n: int, per_sm: int = 2) -> int:
+    """Split-KV factor from shapes only (max_len is the capacity, not the live length: no host sync).
+
+    Picks s minimising a wave model of the step: programs run ``num_sms * per_sm`` at a time, a wave costs
+    the longest program (max_len / s keys plus a fixed ~``overhead`` keys of setup and partial writes), and
+    s > 1 adds the merge (a launch plus reading the partials). This keeps the last wave full: at 16 heads,
+    B=128 takes 2 splits (256 programs, one wave of 264 slots), not 3 (384 programs, a half-empty second
+    wave). Symbolic sizes are read at their traced value (no guard): every split count is correct."""
     c = CONFIGS["split"]
-    target = c["num_sms"] * c["waves"]
-    if num_programs >= target or max_len <= 0:
+    progs, length = size_hint(num_programs), size_hint(max_len)
+    if length <= 0 or progs <= 0:
         return 1
-    by_len = max(1, max_len // max(c["min_tokens"], block_n))
-    return int(max(1, min(triton.cdiv(target, num_programs), by_len, c["max_splits"])))
+    slots = c["num_sms"] * per_sm
+    chunks = triton.cdiv(length, block_n)
+    most = max(1, min(c["max_splits"], length // max(c["min_tokens"], block_n)))
+
+    def cost(s: int) -> float:
+        waves = triton.cdiv(progs * s, slots)
+        keys = triton.cdiv(chunks, s) * block_n
+        merge = 0 if s == 1 else c["merge_launch"] + triton.cdiv(progs * s, slots) * c["overhead"]
+        return waves * (keys + c["overhead"]) + merge
+
+    return min(range(1, most + 1), key=lambda s: (cost(s), s))
 
 
 def _tile_rows(num_heads: int, multi_query: bool, block_m: int, block_h: int) -> tuple[int, int]:
@@ -325,7 +341,8 @@ def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float,
     bq, bh = _tile_rows(H, False, 16, cfg["block_h"])
     page = cache.shape[1]
     if num_splits <= 0:
-        num_splits = choose_num_splits(B * triton.cdiv(H, bh), block_table.shape[1] * page, cfg["block_n"])
+        num_splits = choose_num_splits(B * triton.cdiv(H, bh), block_table.shape[1] * page, cfg["block_n"],
+                                       cfg.get("per_sm", 1))
     out = torch.empty((B, H, L), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0:
         return out
@@ -390,7 +407,7 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
     mask_strides = (0, 0, 0) if mask is None else (mask.stride(0), mask.stride(2), mask.stride(3))
     tiles = B * triton.cdiv(T, bq)
     if num_splits <= 0:
-        num_splits = choose_num_splits(tiles * triton.cdiv(H, bh), S, cfg["block_n"])
+        num_splits = choose_num_splits(tiles * triton.cdiv(H, bh), S, cfg["block_n"], cfg.get("per_sm", 1))
     out = torch.empty((B, H, T, L), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0 or T == 0:
         return out

@@ -1,0 +1,68 @@
+"""Run-time twins of the hybrid ops whose launch configs depend on the token count.
+
+``hybrid::moe_block`` and ``hybrid::mla_attention`` are triton_ops: torch.compile traces their bodies, so
+each launch-config choice (MoE token bucket, MLA split count, absorbed vs expanded path) is made on the
+symbolic size and becomes a guard. A graph with a dynamic batch then recompiles whenever the batch crosses
+a bucket boundary (10-30 s on the H200 for the realistic-width zoo models).
+
+Each twin ``hybrid::<name>_rt`` has the same schema, a shape-only fake implementation (no branch on sizes,
+so no guard) and a real implementation that calls the traced op eagerly: the config is picked from the
+concrete shapes of each call. Inductor sees an opaque call; CUDA graphs record it like any other kernel
+launch. The engine asks for them (``options={"run_time_configs": True}``); the default keeps the traced ops,
+which AOT packages need.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .library import NAMESPACE
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+#: traced op overload -> its run-time twin
+TWINS: dict = {}
+
+
+def _define_twin(op, fake) -> None:
+    name = op._schema.name.split("::", 1)[1] + "_rt"
+    signature = str(op._schema).split("(", 1)[1]
+    _lib.define(f"{name}({signature}")
+
+    def impl(*args):
+        # contiguous: the fake promises a fresh contiguous tensor (SDPA may return a transposed layout)
+        return op(*args).contiguous()
+
+    for key in ("CPU", "CUDA"):
+        _lib.impl(name, impl, key)
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
+    TWINS[op] = getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _moe_block_fake(x, *args):
+    return x.new_empty(x.shape)
+
+
+def _mla_attention_fake(q_nope, q_rope, latent, k_rope, kv_b_weight, *args):
+    b, h, t, p = q_nope.shape
+    v = kv_b_weight.shape[0] // h - p
+    return q_nope.new_empty((b, h, t, v))
+
+
+def register() -> None:
+    from .mla import dropin  # noqa: F401  (registers the traced ops)
+    from .moe import block  # noqa: F401
+    if TWINS:
+        return
+    _define_twin(torch.ops.hybrid.moe_block.default, _moe_block_fake)
+    _define_twin(torch.ops.hybrid.mla_attention.default, _mla_attention_fake)
+
+
+def use_run_time_twins(gm: fx.GraphModule) -> int:
+    """Retarget every traced op of ``gm`` that has a twin; returns how many nodes changed."""
+    register()
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in TWINS:
+            node.target = TWINS[node.target]
+            changed += 1
+    return changed
