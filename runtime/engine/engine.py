@@ -19,7 +19,7 @@ from compiler.hf import cache_kwarg
 from .allocator import BlockAllocator, SlotAllocator
 from .cache import PagedCache, discover_layers
 from .model_runner import ModelRunner, decode_bucket
-from .scheduler import Scheduler
+from .scheduler import Scheduler, Step
 from .sequence import RequestOutput, SamplingParams, Sequence, Status, TokenEvent
 
 DEFAULT_CPU_BUDGET = 256 << 20
@@ -28,7 +28,7 @@ DEFAULT_CPU_BUDGET = 256 << 20
 class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, compile: str | None = "auto",
-                 bucket_decode: bool | None = None, paged_decode: bool | None = None):
+                 bucket_decode: bool | None = None, paged_decode: bool | None = None, overlap: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -60,6 +60,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode)
         self._seqs: dict[int, Sequence] = {}
         self.stats = dict(steps=0, prefill_tokens=0, decode_tokens=0)
+        self.overlap = overlap
+        self._ahead = None  # (step, pending): a decode step launched before the previous one was read
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -136,15 +138,28 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        step = self.scheduler.schedule()
-        if step is None:
-            return []
-        tokens = self.runner.run(step)
+        """Run one model step and return its tokens. A greedy decode step that the next one would repeat
+        (same sequences, nothing waiting, nobody at max_tokens) launches that next step before reading its
+        own tokens: the device runs step n+1 while the host finishes step n (its tokens stay on the device
+        and feed step n+1 directly). A sequence that stops on EOS or a stop token then has one extra token
+        computed and dropped."""
+        if self._ahead is not None:
+            step, pending = self._ahead
+            self._ahead = None
+        else:
+            step = self.scheduler.schedule()
+            if step is None:
+                return []
+            pending = self.runner.launch(step)
+        if self.overlap and self._repeats(step, pending):
+            nxt = Step("decode", list(step.seqs), [1] * len(step.seqs))
+            self._ahead = (nxt, self.runner.launch(nxt, ahead=pending))
+        tokens = self.runner.finish(pending)
         self.stats["steps"] += 1
         self.stats["prefill_tokens" if step.kind == "prefill" else "decode_tokens"] += sum(step.num_tokens)
         events = []
         for seq, tok in zip(step.seqs, tokens):
-            if tok is None:
+            if tok is None or seq.status is Status.FINISHED:  # finished while this step ran ahead: dropped
                 continue
             seq.output.append(tok)
             reason = self._stop_reason(seq, tok)
@@ -152,6 +167,20 @@ class Engine:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq.request_id, tok, reason is not None, reason))
         return events
+
+    def _repeats(self, step: Step, pending) -> bool:
+        """Would the scheduler's next step decode exactly these sequences again? (and can it, cache-wise)"""
+        sched = self.scheduler
+        if step.kind != "decode" or pending.tokens is None or sched.pending_moves():
+            return False
+        if sched.running != step.seqs or sched.would_prefill():
+            return False
+        for seq in step.seqs:  # after this step's token: still below max_tokens and the model's length
+            if len(seq.output) + 1 >= seq.params.max_tokens:
+                return False
+            if self.max_model_len is not None and len(seq) + 1 >= self.max_model_len:
+                return False
+        return all(sched.reserve(seq, len(seq) + 1) for seq in step.seqs)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         if not seq.params.ignore_eos and tok in self.eos:
@@ -165,7 +194,8 @@ class Engine:
         return None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests left, or a step still running ahead (its tokens may all be dropped)."""
+        return self._ahead is not None or self.scheduler.has_work()
 
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[TokenEvent]:
         for rid in self._add_all(prompts, params):

@@ -11,6 +11,7 @@ as nano-vllm and vLLM do; prefills stay uncaptured.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -33,6 +34,21 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 def decode_bucket(n: int) -> int:
     """Batch size a decode step of ``n`` sequences is padded to under CUDA graphs."""
     return next((b for b in DECODE_BUCKETS if b >= n), n)
+
+
+@dataclass
+class Pending:
+    """A launched step: its sampled ids on the device (greedy) or its logits, until ``finish`` reads them."""
+    step: Step
+    done: list[bool]  # which sequences sample a token this step
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    logits: torch.Tensor | None = None
+
+    def keep_logits(self, logits: torch.Tensor) -> "Pending":
+        self.logits = logits
+        return self
 
 
 class ModelRunner:
@@ -63,6 +79,9 @@ class ModelRunner:
         self.graphs_enabled = compile == "hybrid-cudagraphs" and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        # pinned host buffers for sampled ids, used in turn (a step and the one running ahead of it)
+        self._host_ids: list[torch.Tensor | None] = [None, None, None]
+        self._ring = 0
 
     @staticmethod
     def _compiled(model, compile: str | None):
@@ -116,19 +135,23 @@ class ModelRunner:
         return list(dev.split(sizes))
 
     @torch.no_grad()
-    def run(self, step: Step) -> list[int | None]:
-        """Run one step; returns the sampled token per sequence (None for a prefill chunk that is not last)."""
+    def launch(self, step: Step, ahead: "Pending | None" = None) -> "Pending":
+        """Start one step on the device; ``finish`` returns its tokens. With ``ahead`` (a decode step of the
+        same sequences, not finished yet) the step runs one token ahead of the host: each sequence's input is
+        the token ``ahead`` sampled, still on the device, at the position after it."""
         self.apply_moves(step.moves)
         if step.kind == "prefill":
+            assert ahead is None, "only decode steps run ahead"
             (seq,), (n,) = step.seqs, step.num_tokens
             start = seq.num_cached
             ids, positions = seq.tokens[start:start + n], list(range(start, start + n))
             lengths, pad, rows, q_len = [start + n], 0, None, n
         else:
+            shift = 0 if ahead is None else 1
             pad = decode_bucket(len(step.seqs)) - len(step.seqs) if self.bucket_decode else 0
-            ids = [s.last_token for s in step.seqs] + [0] * pad
-            positions = [len(s) - 1 for s in step.seqs] + [0] * pad
-            lengths, rows, q_len = [len(s) for s in step.seqs], len(step.seqs) + pad, 1
+            ids = [s.last_token for s in step.seqs] + [0] * pad  # placeholders when the ids come from ``ahead``
+            positions = [len(s) - 1 + shift for s in step.seqs] + [0] * pad
+            lengths, rows, q_len = [len(s) + shift for s in step.seqs], len(step.seqs) + pad, 1
             if self.cache.states:
                 slots = [s.state_slot for s in step.seqs]
                 assert slots == list(range(len(slots))), f"decode batch must be state rows 0..n-1, got {slots}"
@@ -138,22 +161,60 @@ class ModelRunner:
             host = [ids, positions, table, pads]
         else:
             width, host = 0, [ids, positions]
+        device_ids = None if ahead is None else ahead.tokens
         if step.kind == "decode" and self.graphs_enabled:
-            logits = self._replay(batch, width, host)
+            logits = self._replay(batch, width, host, device_ids)
         else:
-            logits = self._forward(step.kind, q_len, width, batch, rows, self._upload(host))
+            inputs = self._upload(host)
+            if device_ids is not None:
+                inputs[0][:device_ids.numel()].copy_(device_ids)
+            logits = self._forward(step.kind, q_len, width, batch, rows, inputs)
         logits = logits[:len(step.seqs), -1]
         if step.kind == "prefill" and self.cache.states:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_cached += n
-        done = [s.num_uncached == 0 for s in step.seqs]
-        sampled = sample(logits[[i for i, d in enumerate(done) if d]],
-                         [s.params for s, d in zip(step.seqs, done) if d],
-                         [s.generator for s, d in zip(step.seqs, done) if d])
-        it = iter(sampled)
-        return [next(it) if d else None for d in done]
+        done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
+        return self._sample_async(Pending(step, done), logits)
+
+    def _sample_async(self, pending: "Pending", logits: torch.Tensor) -> "Pending":
+        """Greedy batches: argmax on the device and an asynchronous copy of the ids to pinned host memory
+        (nothing waits until ``finish``). Other batches keep their logits for ``sample`` in ``finish``."""
+        if not all(pending.done):
+            return pending if not any(pending.done) else pending.keep_logits(logits)
+        if any(s.params.temperature != 0.0 for s in pending.step.seqs):
+            return pending.keep_logits(logits)
+        pending.tokens = logits.argmax(-1)
+        if self.device.type == "cuda":
+            self._ring = (self._ring + 1) % len(self._host_ids)
+            host = self._host_ids[self._ring]
+            if host is None or host.numel() < pending.tokens.numel():
+                host = self._host_ids[self._ring] = torch.empty(max(256, pending.tokens.numel()), dtype=torch.long,
+                                                                pin_memory=True)
+            pending.host = host[:pending.tokens.numel()]
+            pending.host.copy_(pending.tokens, non_blocking=True)
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
+
+    def finish(self, pending: "Pending") -> list[int | None]:
+        """The step's sampled token per sequence (None for a prefill chunk that is not the last); waits for the
+        device only here."""
+        if pending.tokens is not None:
+            if pending.event is not None:
+                pending.event.synchronize()
+                values = pending.host.tolist()
+            else:
+                values = pending.tokens.tolist()
+        elif pending.logits is not None:
+            rows = [i for i, d in enumerate(pending.done) if d]
+            seqs = [pending.step.seqs[i] for i in rows]
+            values = sample(pending.logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        else:
+            values = []
+        it = iter(values)
+        return [next(it) if d else None for d in pending.done]
 
     def _forward(self, kind: str, q_len: int, width: int, batch: int, rows: int | None,
                  inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -172,8 +233,10 @@ class ModelRunner:
             return self.forward(inputs[0].view(batch, q_len), **kwargs).logits
 
     # -- CUDA graphs of decode steps ------------------------------------------------------------------
-    def _replay(self, batch: int, width: int, host: list[list[int]]) -> torch.Tensor:
-        """One decode step as a CUDA graph replay, recorded on first use of a (batch bucket, width)."""
+    def _replay(self, batch: int, width: int, host: list[list[int]], device_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """One decode step as a CUDA graph replay, recorded on first use of a (batch bucket, width); the first
+        ids come from ``device_ids`` when given (a step that runs ahead)."""
         entry = self._graphs.get((batch, width))
         if entry is None:
             try:
@@ -183,9 +246,14 @@ class ModelRunner:
                 warnings.warn(f"hybrid engine: CUDA graph capture failed ({type(e).__name__}: {e}); decode steps "
                               "run without CUDA graphs", stacklevel=2)
                 self.graphs_enabled = False
-                return self._forward("decode", 1, width, batch, batch, self._upload(host))
+                inputs = self._upload(host)
+                if device_ids is not None:
+                    inputs[0][:device_ids.numel()].copy_(device_ids)
+                return self._forward("decode", 1, width, batch, batch, inputs)
         static_in, graph, out = entry
         self._upload(host, out=static_in)
+        if device_ids is not None:  # ids are the first segment of the static input
+            static_in[:device_ids.numel()].copy_(device_ids)
         graph.replay()
         return out
 

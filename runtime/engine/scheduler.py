@@ -49,6 +49,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pending_moves(self) -> bool:
+        return bool(self._moves)
+
+    def would_prefill(self) -> bool:
+        """Could the next step be a prefill (a partial prefill, or a waiting request with room to start)?"""
+        return (any(s.num_uncached > 1 for s in self.running)
+                or bool(self.waiting and len(self.running) < self.max_num_seqs))
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` cached tokens of a running sequence (False when the cache is full)."""
+        return self._reserve(seq, num_tokens)
+
     # ------------------------------------------------------------------------------------------------
     def schedule(self) -> Step | None:
         step = self._schedule_prefill() or self._schedule_decode()
