@@ -2,7 +2,7 @@
 
 HF's eager experts loop over ``nonzero()`` and dynamo breaks the graph inside every MoE block, so no graph
 holds a whole block. Choice made here: hybrid registers its own experts implementation, ``"hybrid"``, in
-HF's ``ALL_EXPERTS_FUNCTIONS`` (one ``hybrid::moe_experts`` call: no graph break, same math) and switches
+HF's ``ALL_EXPERTS_FUNCTIONS`` (one ``hybrid::moe_experts_rt`` call: no graph break, same math) and switches
 the model's config to it when it first sees a block split this way. Dynamo guards on that config value,
 and hybrid drops dynamo's compiled code once (``torch._dynamo.reset_code_caches()``, when the first split
 graph runs) so the next call retraces the model from its top frame into whole-block graphs, which the MoE
@@ -32,8 +32,9 @@ def hybrid_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
         act = self._hybrid_activation = identify_activation(getattr(self, "act_fn", None))
     gated = getattr(self, "has_gate", True)
     w13 = self.gate_up_proj if gated else self.up_proj
-    return torch.ops.hybrid.moe_experts(hidden_states, w13, self.down_proj, top_k_weights.float(), top_k_index,
-                                        gated, not getattr(self, "is_concatenated", True), act)
+    # the run-time twin: opaque to dynamo, so the token count never becomes a guard (runtime/ops/run_time.py)
+    return torch.ops.hybrid.moe_experts_rt(hidden_states, w13, self.down_proj, top_k_weights.float(), top_k_index,
+                                           gated, not getattr(self, "is_concatenated", True), act)
 
 
 def register() -> bool:

@@ -1,6 +1,6 @@
 """Run-time twins of the hybrid ops whose launch configs depend on the token count.
 
-``hybrid::moe_block`` and ``hybrid::mla_attention`` are triton_ops: torch.compile traces their bodies, so
+``hybrid::moe_block``, ``hybrid::moe_experts`` and ``hybrid::mla_attention`` are triton_ops: torch.compile traces their bodies, so
 each launch-config choice (MoE token bucket, MLA split count, absorbed vs expanded path) is made on the
 symbolic size and becomes a guard. A graph with a dynamic batch then recompiles whenever the batch crosses
 a bucket boundary (10-30 s on the H200 for the realistic-width zoo models).
@@ -9,7 +9,9 @@ Each twin ``hybrid::<name>_rt`` has the same schema, a shape-only fake implement
 so no guard) and a real implementation that calls the traced op eagerly: the config is picked from the
 concrete shapes of each call. Inductor sees an opaque call; CUDA graphs record it like any other kernel
 launch. The engine asks for them (``options={"run_time_configs": True}``); the default keeps the traced ops,
-which AOT packages need.
+which AOT packages need. hybrid's HF experts implementation (passes/moe_eager.py) always calls
+``hybrid::moe_experts_rt``: it runs inside the model code, so dynamo would trace the traced op's body (and
+guard on the token count) before any pass could retarget it.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _define_twin(op, fake) -> None:
     TWINS[op] = getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
-def _moe_block_fake(x, *args):
+def _same_as_x_fake(x, *args):
     return x.new_empty(x.shape)
 
 
@@ -53,7 +55,8 @@ def register() -> None:
     from .moe import block  # noqa: F401
     if TWINS:
         return
-    _define_twin(torch.ops.hybrid.moe_block.default, _moe_block_fake)
+    _define_twin(torch.ops.hybrid.moe_block.default, _same_as_x_fake)
+    _define_twin(torch.ops.hybrid.moe_experts.default, _same_as_x_fake)
     _define_twin(torch.ops.hybrid.mla_attention.default, _mla_attention_fake)
 
 
