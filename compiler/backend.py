@@ -34,9 +34,6 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
         all_regions = [r for kind in ("mla", "ssm", "moe") for r in ctx.regions(kind)]
         ctx.verifier = Verifier(gm, example_inputs, all_regions)
     counts = run_pipeline(ctx, opts.passes)
-    if opts.run_time_configs:
-        from runtime.ops.run_time import use_run_time_twins
-        use_run_time_twins(gm)
     gm.recompile()
     info = GraphInfo(graph_id, nodes_before, len(gm.graph.nodes), _describe_inputs(example_inputs), counts,
                      "inductor" if opts.inductor else "eager")

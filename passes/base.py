@@ -140,6 +140,12 @@ class RegionPass:
             if not ok:
                 log.warning("hybrid: verify rejected %s %s: %s", self.kind, region.path, msg)
                 return SKIPPED, f"verify: rewritten region disagrees with eager ({msg}); left to Inductor", {}
+        if getattr(ctx.options, "run_time_configs", False):
+            # the opaque twin before apply_rewrite runs the op on the graph's symbolic shapes: the traced op's
+            # body would turn its launch-config choices into guards (runtime/ops/run_time.py)
+            from runtime.ops.run_time import TWINS, register
+            register()
+            rw.op = TWINS.get(rw.op, rw.op)
         try:
             apply_rewrite(ctx.gm, rw.nodes or region.nodes, rw)
         except RewriteError as e:

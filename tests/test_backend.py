@@ -114,3 +114,25 @@ def test_run_time_configs_emit_opaque_twins(name, twins):
         ids = prompt(model, batch=batch, tokens=7, seed=batch)
         with torch.no_grad():
             torch.testing.assert_close(fn(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("experts", ["default", "eager"])
+def test_run_time_configs_compile_once_across_token_buckets(monkeypatch, experts):
+    """The GPU's launch-config choices (here the Triton launchers run by the interpreter on the CPU) must not
+    become guards: after the first batch size, batches in other MoE token buckets compile nothing. "eager":
+    HF's experts loop, which hybrid swaps for its own experts implementation (an op called from model code)."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    model = zoo.build("mixtral")
+    if experts == "eager":
+        model.config._experts_implementation = "eager"
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="hybrid", dynamic=True, options={"inductor": False, "run_time_configs": True})
+    with torch.no_grad():
+        for _ in range(2):  # "eager": the first call switches the experts implementation and retraces
+            fn(prompt(model, batch=2, tokens=3))
+        counters.clear()
+        for batch in (3, 6, 20):  # top-2 x 3 tokens: 18, 36, 120 (token buckets 64 and 256 on the GPU)
+            ids = prompt(model, batch=batch, tokens=3, seed=batch)
+            torch.testing.assert_close(fn(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])

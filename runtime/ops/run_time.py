@@ -16,7 +16,6 @@ guard on the token count) before any pass could retarget it.
 from __future__ import annotations
 
 import torch
-from torch import fx
 
 from .library import NAMESPACE
 
@@ -58,14 +57,3 @@ def register() -> None:
     _define_twin(torch.ops.hybrid.moe_block.default, _same_as_x_fake)
     _define_twin(torch.ops.hybrid.moe_experts.default, _same_as_x_fake)
     _define_twin(torch.ops.hybrid.mla_attention.default, _mla_attention_fake)
-
-
-def use_run_time_twins(gm: fx.GraphModule) -> int:
-    """Retarget every traced op of ``gm`` that has a twin; returns how many nodes changed."""
-    register()
-    changed = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in TWINS:
-            node.target = TWINS[node.target]
-            changed += 1
-    return changed
