@@ -69,6 +69,9 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.v_dim = v_dim
         self.buf = torch.zeros(num_rows, heads, v_dim + k_dim, dtype=dtype, device=device)  # rows are [v | k]
         torch._dynamo.mark_static_address(self.buf)
+        # its shape never changes: no size symbols, so dynamo cannot duck-size them with per-step sizes (on
+        # the H200 a graph guarded kv_heads == position_ids.storage_offset() and recompiled at B=64)
+        torch._dynamo.mark_static(self.buf)
         self.write_slots = torch.zeros(1, dtype=torch.long, device=device)
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.paged = False  # decode step read in place by runtime/engine/attention.py
