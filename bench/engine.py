@@ -106,10 +106,10 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> t
     spent = dict(prefill=0.0, decode=0.0)
     steps = 0
     while engine.has_unfinished():
-        decoded = engine.stats["decode_tokens"]
+        decoded = engine.stats["decode_steps"]
         t0 = time.perf_counter()
         engine.step()
-        kind = "decode" if engine.stats["decode_tokens"] > decoded else "prefill"
+        kind = "decode" if engine.stats["decode_steps"] > decoded else "prefill"
         spent[kind] += time.perf_counter() - t0
         steps += kind == "decode"
     return spent["prefill"], spent["decode"], steps, [engine.output(i).token_ids for i in ids]
@@ -121,7 +121,7 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> No
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     for p in prompts.tolist():
         engine.add_request(p, params)
-    while engine.stats["decode_tokens"] == 0 or engine.scheduler.waiting:
+    while engine.stats["decode_steps"] == 0 or engine.scheduler.waiting:
         engine.step()
     for _ in range(3):
         engine.step()

@@ -190,6 +190,8 @@ def test_decode_running_ahead_drops_tokens_after_a_stop(name):
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
     assert want[1].token_ids[-1] == stop and want[1].finish_reason == "stop"
     assert sum(launched_ahead) >= 5, launched_ahead
+    # dropped tokens are not output: each request's first token comes from its prefill, the rest from decode
+    assert engine.stats["decode_tokens"] == sum(len(o.token_ids) for o in got) - len(prompts)
     assert not engine.has_unfinished()
     if engine.blocks is not None:  # every block back (block 0 stays reserved for padding)
         assert engine.blocks.num_free == engine.blocks.num_blocks - 1

@@ -59,7 +59,7 @@ class Engine:
             paged_decode = has_attn and self.device.type == "cuda" and not hasattr(model.config, "kv_lora_rank")
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode)
         self._seqs: dict[int, Sequence] = {}
-        self.stats = dict(steps=0, prefill_tokens=0, decode_tokens=0)
+        self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0)
         self.overlap = overlap
         self._ahead = None  # (step, pending): a decode step launched before the previous one was read
 
@@ -156,7 +156,8 @@ class Engine:
             self._ahead = (nxt, self.runner.launch(nxt, ahead=pending))
         tokens = self.runner.finish(pending)
         self.stats["steps"] += 1
-        self.stats["prefill_tokens" if step.kind == "prefill" else "decode_tokens"] += sum(step.num_tokens)
+        if step.kind == "prefill":
+            self.stats["prefill_tokens"] += sum(step.num_tokens)
         events = []
         for seq, tok in zip(step.seqs, tokens):
             if tok is None or seq.status is Status.FINISHED:  # finished while this step ran ahead: dropped
@@ -166,6 +167,9 @@ class Engine:
             if reason:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq.request_id, tok, reason is not None, reason))
+        if step.kind == "decode":  # tokens kept, not rows computed (a dropped token is not output)
+            self.stats["decode_steps"] += 1
+            self.stats["decode_tokens"] += len(events)
         return events
 
     def _repeats(self, step: Step, pending) -> bool:

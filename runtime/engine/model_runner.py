@@ -240,7 +240,7 @@ class ModelRunner:
         entry = self._graphs.get((batch, width))
         if entry is None:
             try:
-                entry = self._capture(batch, width, host)
+                entry = self._capture(batch, width, host, device_ids)
             except Exception as e:  # noqa: BLE001  (uncapturable model: run it uncaptured, say why)
                 import warnings
                 warnings.warn(f"hybrid engine: CUDA graph capture failed ({type(e).__name__}: {e}); decode steps "
@@ -257,10 +257,12 @@ class ModelRunner:
         graph.replay()
         return out
 
-    def _capture(self, batch: int, width: int, host: list[list[int]]):
+    def _capture(self, batch: int, width: int, host: list[list[int]], device_ids: torch.Tensor | None = None):
         sizes = [len(x) for x in host]
         static_in = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
         self._upload(host, out=static_in)
+        if device_ids is not None:  # the warm-up runs write the cache: with the step's real ids
+            static_in[:device_ids.numel()].copy_(device_ids)
         inputs = list(static_in.split(sizes))
 
         def body():
