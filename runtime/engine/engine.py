@@ -175,7 +175,7 @@ class Engine:
     def _repeats(self, step: Step, pending) -> bool:
         """Would the scheduler's next step decode exactly these sequences again? (and can it, cache-wise)"""
         sched = self.scheduler
-        if step.kind != "decode" or pending.tokens is None or sched.pending_moves():
+        if step.kind != "decode" or pending.tokens is None:
             return False
         if sched.running != step.seqs or sched.would_prefill():
             return False

@@ -46,10 +46,6 @@ class Pending:
     event: torch.cuda.Event | None = None
     logits: torch.Tensor | None = None
 
-    def keep_logits(self, logits: torch.Tensor) -> "Pending":
-        self.logits = logits
-        return self
-
 
 class ModelRunner:
     def __init__(self, model, cache: PagedCache, blocks: BlockAllocator | None, compile: str | None,
@@ -181,10 +177,11 @@ class ModelRunner:
     def _sample_async(self, pending: "Pending", logits: torch.Tensor) -> "Pending":
         """Greedy batches: argmax on the device and an asynchronous copy of the ids to pinned host memory
         (nothing waits until ``finish``). Other batches keep their logits for ``sample`` in ``finish``."""
-        if not all(pending.done):
-            return pending if not any(pending.done) else pending.keep_logits(logits)
-        if any(s.params.temperature != 0.0 for s in pending.step.seqs):
-            return pending.keep_logits(logits)
+        if not any(pending.done):
+            return pending
+        if not all(pending.done) or any(s.params.temperature != 0.0 for s in pending.step.seqs):
+            pending.logits = logits
+            return pending
         pending.tokens = logits.argmax(-1)
         if self.device.type == "cuda":
             self._ring = (self._ring + 1) % len(self._host_ids)

@@ -49,9 +49,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def pending_moves(self) -> bool:
-        return bool(self._moves)
-
     def would_prefill(self) -> bool:
         """Could the next step be a prefill (a partial prefill, or a waiting request with room to start)?"""
         return (any(s.num_uncached > 1 for s in self.running)
