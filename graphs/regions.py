@@ -171,6 +171,9 @@ class Rewrite:
     note: str = ""
     #: the nodes to replace when only part of the region is rewritten (default: the whole region)
     nodes: list[fx.Node] | None = None
+    #: nodes outside the region that the op makes unused (e.g. a gather it reads around): erased in this
+    #: order once they have no users left
+    unused: list[fx.Node] = field(default_factory=list)
 
 
 class RewriteError(RuntimeError):
@@ -245,6 +248,9 @@ def apply_rewrite(gm: fx.GraphModule, nodes: list[fx.Node], rw: Rewrite, meta_fr
         if n.users:
             raise RewriteError(f"region node {n.name} still has users {[u.name for u in n.users]}")
         graph.erase_node(n)
+    for n in rw.unused:
+        if not n.users:
+            graph.erase_node(n)
     graph.lint()
     return call
 

@@ -69,10 +69,17 @@ class FuseMLA(RegionPass):
         args = [q_nope, q_rope, latent, k_rope, weight, mask]
         nodes = self._replaced_nodes(region, sdpa, [a for a in args if a is not None])
         self._probe(ctx, nodes, sdpa, args, is_causal, scale, m.kv_b_proj.weight)
-        from runtime.ops.mla import dropin  # noqa: F401  (registers hybrid::mla_attention)
+        from runtime.ops.mla import dropin, paged  # noqa: F401  (registers the hybrid::mla_attention ops)
         heads = concrete(node_value(q_nope).shape[1])
         note = (f"absorbed latent attention: {heads} heads, latent {m.kv_b_proj.weight.shape[1]} + rope "
                 f"{concrete(node_value(q_rope).shape[-1])} per cached token")
+        gather = _paged_gather(latent, k_rope)
+        if gather is not None and concrete(node_value(q_nope).shape[2]) == 1:
+            buf, _, table, lens, _, block_size = gather.args
+            return Rewrite(torch.ops.hybrid.mla_attention_paged.default,
+                           (q_nope, q_rope, buf, table, lens, weight, block_size, scale), {}, {sdpa: None},
+                           note=note + "; decode reads the engine's paged latent cache in place",
+                           nodes=nodes, unused=[latent, k_rope, gather])
         return Rewrite(torch.ops.hybrid.mla_attention.default, (*args, is_causal, scale), {}, {sdpa: None},
                        note=note, nodes=nodes)
 
@@ -162,6 +169,22 @@ class FuseMLA(RegionPass):
         ok, msg = close(got, expected, weight.dtype, tol=1e-4 if weight.dtype == torch.float32 else 3e-2)
         if not ok:
             raise Skip(f"the attention sub-graph differs from hybrid::mla_attention on a probe: {msg}")
+
+
+def _paged_gather(latent: fx.Node, k_rope: fx.Node) -> fx.Node | None:
+    """The engine's ``hybrid::paged_gather`` when the latent and the rope key are its two outputs, used by
+    nothing else (runtime/ops/mla/paged.py: the op also carries the step's block table and lengths)."""
+    srcs = []
+    for node, idx in ((latent, 0), (k_rope, 1)):
+        if not (node.op == "call_function" and node.target is operator.getitem and node.args[1] == idx
+                and len(node.users) == 1):
+            return None
+        srcs.append(node.args[0])
+    src = srcs[0]
+    if src is not srcs[1] or src.op != "call_function" or src.target not in (
+            torch.ops.hybrid.paged_gather, torch.ops.hybrid.paged_gather.default):
+        return None
+    return src if len(src.users) == 2 else None
 
 
 def _random_mask(shape: list[int], g: torch.Generator) -> torch.Tensor:

@@ -86,6 +86,33 @@ def test_paged_attention_equals_sdpa_over_gathered_keys(monkeypatch, triton):
         torch.testing.assert_close(out[i, 0], ref[:, 0], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_mla_decode_attends_over_the_pages_in_place(name, monkeypatch):
+    """Decode graphs of DeepSeek models read the paged latent cache in place (hybrid::mla_attention_paged):
+    the explain report says so, no gather of the cache (hybrid::paged_gather) is left in them, and tokens
+    stay HF's with bucket padding and blocks of 4."""
+    import compiler.backend
+    from compiler.report import collect
+    graphs = []
+    run_pipeline = compiler.backend.run_pipeline
+
+    def recording(ctx, passes):
+        counts = run_pipeline(ctx, passes)
+        graphs.append({str(n.target) for n in ctx.gm.graph.nodes if n.op == "call_function"})
+        return counts
+    monkeypatch.setattr(compiler.backend, "run_pipeline", recording)
+    with collect() as report:
+        engine = Engine(zoo.build(name), compile="hybrid-eager", bucket_decode=True, max_num_seqs=3, block_size=4)
+        outs = engine.generate(PROMPTS, SamplingParams(max_tokens=6))
+    torch._dynamo.reset()
+    for out, prompt in zip(outs, PROMPTS):
+        assert out.token_ids == hf_greedy(name, prompt, 6), (name, prompt)
+    decode = [g for g in graphs if any("mla_attention_paged" in t for t in g)]
+    assert decode and not any("paged_gather" in t for g in decode for t in g), graphs
+    notes = [r.reason for r in report.results if r.kind == "mla"]
+    assert any("paged latent cache in place" in n for n in notes), notes
+
+
 @pytest.mark.parametrize("name", ["deepseek_v2", "jamba"])
 def test_cache_isolation(name):
     """A sequence produces the same tokens alone and sharing every batch with others."""
@@ -157,6 +184,17 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert k1.token_ids == greedy.token_ids
     c = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=1.5, seed=8))[0]
     assert c.token_ids != a.token_ids  # (probability of an 8-token collision at T=1.5 is negligible)
+
+
+@pytest.mark.parametrize("vocab", [102400, 50280, 8191, 7])
+def test_greedy_ids_equal_argmax_first_maximum(vocab):
+    from runtime.engine.sampler import greedy_ids
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g).to(torch.bfloat16)  # bf16: many exact ties
+    logits[1] = 0.0  # all tied: index 0
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 99.0  # tie across chunks: the earlier one
+    assert torch.equal(greedy_ids(logits), logits.argmax(-1))
+    assert greedy_ids(logits)[1] == 0 and greedy_ids(logits)[2] == vocab // 3
 
 
 def test_stream_yields_every_token_once():
@@ -238,6 +276,21 @@ def test_cuda_graph_decode_matches_hf_generate(name):
     engine = Engine(zoo.build(name, device="cuda"), compile=None, bucket_decode=True, max_num_seqs=4, block_size=4)
     engine.runner.graphs_enabled = True
     outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    assert [o.token_ids for o in outs] == ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels in recorded steps need a GPU")
+def test_compiled_cuda_graph_engine_matches_hf_generate_mla():
+    """The GPU default (hybrid passes + Inductor, recorded decode steps) on DeepSeek-V2 in fp32: decode
+    attention is the paged Triton kernel over the latent pages (hybrid::mla_attention_paged)."""
+    prompts = PROMPTS + [list(range(50, 61))]
+    model = zoo.build("deepseek_v2", device="cuda")
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
+    engine = Engine(model, compile="hybrid-cudagraphs", max_num_seqs=4, block_size=4)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    torch._dynamo.reset()
     assert [o.token_ids for o in outs] == ref
 
 

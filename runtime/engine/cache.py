@@ -1,7 +1,7 @@
 """The engine's caches, as an HF ``Cache`` the unmodified model writes into.
 
 - Attention and MLA layers: one paged buffer per layer, ``[num_blocks * block_size, heads, Dv + Dk]``
-  (for MLA: heads = 1, Dk = kv_lora_rank, Dv = rope dim, i.e. the latent cache of 576 values per token);
+  (for MLA: heads = 1, rows ``[latent | rope]``, kv_lora_rank + rope dim = 576 values per token);
   ``update`` writes the step's tokens at ``write_slots`` and returns the keys/values gathered by
   ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are masked out), or on
   a paged decode step the buffer itself (see ``attention.py``).
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+
+from runtime.ops.mla import paged as _paged  # noqa: F401  (registers hybrid::paged_gather)
 
 
 @dataclass
@@ -64,17 +66,22 @@ class PagedAttentionLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, num_rows: int, heads: int, k_dim: int, v_dim: int, dtype, device):
+    def __init__(self, num_rows: int, heads: int, k_dim: int, v_dim: int, dtype, device, latent: bool = False,
+                 block_size: int = 1):
         super().__init__()
-        self.v_dim = v_dim
-        self.buf = torch.zeros(num_rows, heads, v_dim + k_dim, dtype=dtype, device=device)  # rows are [v | k]
+        self.k_dim, self.v_dim = k_dim, v_dim
+        # rows are [v | k] (attention.py reads v as the "latent" of hybrid::mla_decode), or for MLA layers
+        # (latent=True) [k | v] = [latent | rope], the page layout of hybrid::mla_decode
+        self.latent, self.block_size = latent, block_size
+        self.buf = torch.zeros(num_rows, heads, v_dim + k_dim, dtype=dtype, device=device)
         torch._dynamo.mark_static_address(self.buf)
         # its shape never changes: no size symbols, so dynamo cannot duck-size them with per-step sizes (on
         # the H200 a graph guarded kv_heads == position_ids.storage_offset() and recompiled at B=64)
         torch._dynamo.mark_static(self.buf)
         self.write_slots = torch.zeros(1, dtype=torch.long, device=device)
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.paged = False  # decode step read in place by runtime/engine/attention.py
+        self.block_table = self.seq_lens = None  # paged MLA decode steps: [B, W] int32 blocks, [B] int32
+        self.paged = False  # decode step read in place (attention.py; MLA: runtime/ops/mla/paged.py)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # buffers exist from the start
@@ -82,13 +89,20 @@ class PagedAttentionLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value [B, H, T, D] -> cached keys/values [B, H, S, D] for the step's gather map (or, on a paged
-        decode step, the whole buffer for the paged attention function)."""
+        decode step, the whole buffer for the paged attention function, or for MLA layers the gather as
+        ``hybrid::paged_gather``, which the MLA pass replaces by attention over the pages in place)."""
         b, h, t, _ = key_states.shape
-        rows = torch.cat([value_states, key_states], dim=-1).transpose(1, 2).reshape(b * t, h, -1)
+        parts = [key_states, value_states] if self.latent else [value_states, key_states]
+        rows = torch.cat(parts, dim=-1).transpose(1, 2).reshape(b * t, h, -1)
         self.buf.index_copy_(0, self.write_slots, rows.to(self.buf.dtype))
+        if self.paged and self.latent:
+            return torch.ops.hybrid.paged_gather(self.buf, self.gather_idx, self.block_table, self.seq_lens,
+                                                 self.k_dim, self.block_size)
         if self.paged:
             return self.buf, self.buf
         kv = self.buf[self.gather_idx].transpose(1, 2)  # [B, H, S, Dv + Dk]
+        if self.latent:
+            return kv[..., :self.k_dim], kv[..., self.k_dim:]
         return kv[..., self.v_dim:], kv[..., :self.v_dim]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -140,17 +154,20 @@ class SlotStateLayer(LinearAttentionLayer):
 
 
 class PagedCache(Cache):
-    def __init__(self, specs: list[LayerSpec], num_rows: int, num_state_rows: int, dtype, device):
-        layers = [PagedAttentionLayer(num_rows, s.heads, s.k_dim, s.v_dim, dtype, device) if s.kind == "attention"
-                  else SlotStateLayer(num_state_rows, s, device) for s in specs]
+    def __init__(self, specs: list[LayerSpec], num_rows: int, num_state_rows: int, dtype, device,
+                 latent: bool = False, block_size: int = 1):
+        layers = [PagedAttentionLayer(num_rows, s.heads, s.k_dim, s.v_dim, dtype, device, latent, block_size)
+                  if s.kind == "attention" else SlotStateLayer(num_state_rows, s, device) for s in specs]
         super().__init__(layers=layers)
         self.attention = [l for l in layers if isinstance(l, PagedAttentionLayer)]
         self.states = [l for l in layers if isinstance(l, SlotStateLayer)]
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
-             paged: bool = False) -> None:
+             paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+             ) -> None:
         for layer in self.attention:
             layer.write_slots, layer.gather_idx, layer.paged = write_slots, gather_idx, paged
+            layer.block_table, layer.seq_lens = block_table, seq_lens
         for layer in self.states:
             layer.bind_decode(decode_rows) if decode_rows is not None else layer.bind_prefill()
 

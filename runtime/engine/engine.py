@@ -48,15 +48,17 @@ class Engine:
         # padding rows of a bucketed decode step need SSM state rows of their own
         state_rows = (decode_bucket(max_num_seqs) if bucket_decode else max_num_seqs) if has_ssm else 0
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
+        mla = hasattr(model.config, "kv_lora_rank")
+        if paged_decode is None:  # decode attention reads the pages in place: MLA layers anywhere (the MLA pass
+            # picks it up, runtime/ops/mla/paged.py), MHA/GQA layers on the GPU (attention.py)
+            paged_decode = has_attn and (mla or self.device.type == "cuda")
         self.cache = PagedCache(specs, num_blocks * block_size if has_attn else 1, state_rows, self.dtype,
-                                self.device)
+                                self.device, latent=mla and paged_decode, block_size=block_size)
         self.blocks = BlockAllocator(num_blocks, block_size) if has_attn else None
         self.slots = SlotAllocator(max_num_seqs) if has_ssm else None
         # HF's Mamba torch paths do not continue a multi-token chunk from a cached state: prefill SSM models whole
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, chunked_prefill=not has_ssm)
-        if paged_decode is None:  # MHA/GQA decode attention in place (Triton); MLA layers have their own pass
-            paged_decode = has_attn and self.device.type == "cuda" and not hasattr(model.config, "kv_lora_rank")
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode)
         self._seqs: dict[int, Sequence] = {}
         self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0)

@@ -21,7 +21,7 @@ from compiler.hf import cache_kwarg
 from . import attention
 from .allocator import BlockAllocator
 from .cache import PagedCache
-from .sampler import sample
+from .sampler import greedy_ids, sample
 from .scheduler import Step
 
 
@@ -60,7 +60,8 @@ class ModelRunner:
         self.bucket_decode = bucket_decode  # pad decode batches / widths to buckets (required by CUDA graphs)
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self.paged_decode = paged_decode
-        if paged_decode:  # decode attention reads the paged buffers in place (attention.py); prefill stays SDPA
+        self.paged_latent = paged_decode and all(layer.latent for layer in cache.attention)
+        if paged_decode and not self.paged_latent:  # decode attention reads the buffers in place (attention.py)
             heads = {layer.buf.shape[1] for layer in cache.attention}
             if len(heads) != 1:
                 raise ValueError(f"paged decode needs one kv-head count across layers, got {sorted(heads)}")
@@ -158,8 +159,9 @@ class ModelRunner:
         else:
             width, host = 0, [ids, positions]
         device_ids = None if ahead is None else ahead.tokens
+        ids = None
         if step.kind == "decode" and self.graphs_enabled:
-            logits = self._replay(batch, width, host, device_ids)
+            logits, ids = self._replay(batch, width, host, device_ids)
         else:
             inputs = self._upload(host)
             if device_ids is not None:
@@ -172,17 +174,18 @@ class ModelRunner:
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_cached += n
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
-        return self._sample_async(Pending(step, done), logits)
+        return self._sample_async(Pending(step, done), logits, None if ids is None else ids[:len(step.seqs)])
 
-    def _sample_async(self, pending: "Pending", logits: torch.Tensor) -> "Pending":
-        """Greedy batches: argmax on the device and an asynchronous copy of the ids to pinned host memory
-        (nothing waits until ``finish``). Other batches keep their logits for ``sample`` in ``finish``."""
+    def _sample_async(self, pending: "Pending", logits: torch.Tensor, ids: torch.Tensor | None) -> "Pending":
+        """Greedy batches: argmax on the device (``ids``: already taken inside a recorded step) and an
+        asynchronous copy of the ids to pinned host memory (nothing waits until ``finish``). Other batches
+        keep their logits for ``sample`` in ``finish``."""
         if not any(pending.done):
             return pending
         if not all(pending.done) or any(s.params.temperature != 0.0 for s in pending.step.seqs):
             pending.logits = logits
             return pending
-        pending.tokens = logits.argmax(-1)
+        pending.tokens = greedy_ids(logits) if ids is None else ids
         if self.device.type == "cuda":
             self._ring = (self._ring + 1) % len(self._host_ids)
             host = self._host_ids[self._ring]
@@ -231,9 +234,10 @@ class ModelRunner:
 
     # -- CUDA graphs of decode steps ------------------------------------------------------------------
     def _replay(self, batch: int, width: int, host: list[list[int]], device_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """One decode step as a CUDA graph replay, recorded on first use of a (batch bucket, width); the first
-        ids come from ``device_ids`` when given (a step that runs ahead)."""
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step as a CUDA graph replay, recorded on first use of a (batch bucket, width): (logits,
+        greedy ids, both taken in the graph). The first ids come from ``device_ids`` when given (a step that
+        runs ahead)."""
         entry = self._graphs.get((batch, width))
         if entry is None:
             try:
@@ -246,7 +250,7 @@ class ModelRunner:
                 inputs = self._upload(host)
                 if device_ids is not None:
                     inputs[0][:device_ids.numel()].copy_(device_ids)
-                return self._forward("decode", 1, width, batch, batch, inputs)
+                return self._forward("decode", 1, width, batch, batch, inputs), None
         static_in, graph, out = entry
         self._upload(host, out=static_in)
         if device_ids is not None:  # ids are the first segment of the static input
@@ -263,7 +267,8 @@ class ModelRunner:
         inputs = list(static_in.split(sizes))
 
         def body():
-            return self._forward("decode", 1, width, batch, batch, inputs)
+            logits = self._forward("decode", 1, width, batch, batch, inputs)
+            return logits, greedy_ids(logits[:, -1])
         # warm-up runs (compilation happens here) update SSM states in place: put them back afterwards
         saved = [(l.conv_buf[:batch].clone(), l.ssm_buf[:batch].clone()) for l in self.cache.states]
         side = torch.cuda.Stream()
@@ -312,9 +317,13 @@ class ModelRunner:
         gather_idx = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0)
         writes = gather_idx[:, width - q_len:].reshape(-1)  # a row's own tokens are its last q_len keys
         paged = self.paged_decode and kind == "decode"
-        self.cache.bind(writes, gather_idx, rows, paged)
+        if paged and self.paged_latent:  # MLA: the pages themselves (runtime/ops/mla/paged.py)
+            lengths = (width - pads).to(torch.int32)
+            self.cache.bind(writes, gather_idx, rows, paged, table.to(torch.int32), lengths)
+        else:
+            self.cache.bind(writes, gather_idx, rows, paged)
         extra = {}
-        if paged:  # the same positions, valid keys first, as rows of the per-head view of the buffers
+        if paged and not self.paged_latent:  # the same positions, valid keys first, as rows of the per-head view
             lengths = width - pads
             key = arange.expand(table.shape[0], width)
             slots = torch.where(key < lengths[:, None], table.gather(1, key // bs) * bs + key % bs, 0)

@@ -1,6 +1,7 @@
 """Run-time twins of the hybrid ops whose launch configs depend on the token count.
 
-``hybrid::moe_block``, ``hybrid::moe_experts`` and ``hybrid::mla_attention`` are triton_ops: torch.compile traces their bodies, so
+``hybrid::moe_block``, ``hybrid::moe_experts``, ``hybrid::mla_attention`` and ``hybrid::mla_attention_paged``
+are triton_ops: torch.compile traces their bodies, so
 each launch-config choice (MoE token bucket, MLA split count, absorbed vs expanded path) is made on the
 symbolic size and becomes a guard. A graph with a dynamic batch then recompiles whenever the batch crosses
 a bucket boundary (10-30 s on the H200 for the realistic-width zoo models).
@@ -49,11 +50,16 @@ def _mla_attention_fake(q_nope, q_rope, latent, k_rope, kv_b_weight, *args):
     return q_nope.new_empty((b, h, t, v))
 
 
+def _mla_attention_paged_fake(q_nope, q_rope, buf, block_table, seq_lens, kv_b_weight, *args):
+    return _mla_attention_fake(q_nope, q_rope, None, None, kv_b_weight)
+
+
 def register() -> None:
-    from .mla import dropin  # noqa: F401  (registers the traced ops)
+    from .mla import dropin, paged  # noqa: F401  (registers the traced ops)
     from .moe import block  # noqa: F401
     if TWINS:
         return
     _define_twin(torch.ops.hybrid.moe_block.default, _same_as_x_fake)
     _define_twin(torch.ops.hybrid.moe_experts.default, _same_as_x_fake)
     _define_twin(torch.ops.hybrid.mla_attention.default, _mla_attention_fake)
+    _define_twin(torch.ops.hybrid.mla_attention_paged.default, _mla_attention_paged_fake)

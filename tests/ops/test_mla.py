@@ -319,6 +319,45 @@ def test_absorbed_drop_in_reproduces_hf(family, impl, monkeypatch):
         torch.testing.assert_close(got_d, want_d, rtol=1e-4, atol=1e-4)
 
 
+# ---------------------------------------------------------------------------------------------- engine decode
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
+    """hybrid::mla_attention_paged (pages read in place) = hybrid::mla_attention over what
+    hybrid::paged_gather returns for the engine's left-padded gather map and mask; 3 heads, block size 4,
+    lengths 1 / 6 / 17 across block boundaries, blocks shuffled, one padding row of the reserved block 0."""
+    from runtime.ops.mla import paged  # noqa: F401
+    from runtime.ops.mla.dropin import mla_attention
+    from runtime.ops.mla.paged import mla_attention_paged
+    if impl == "triton":
+        _triton_ops(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    H, P, R, V, L, bs = 3, 16, 8, 12, 32, 4
+    lengths = [1, 6, 17, 1]                                              # the last row is bucket padding
+    width = 32
+    nb = 16
+    buf = torch.randn(nb * bs, 1, L + R, generator=g).to(DEV)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()            # block 0 stays reserved
+    table = torch.zeros(len(lengths), width // bs, dtype=torch.long)
+    for b, n in enumerate(lengths[:-1]):
+        for j in range(-(-n // bs)):
+            table[b, j] = perm.pop()
+    pads = torch.tensor([width - n for n in lengths])
+    pos = torch.arange(width)[None] - pads[:, None]                      # left padding, as the runner lays out
+    keep = pos >= 0
+    pos = pos.clamp(min=0)
+    gather = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0).to(DEV)
+    table, seq_lens = table.int().to(DEV), torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    weight = (torch.randn(H * (P + V), L, generator=g) * 0.2).to(DEV)
+    q_nope = torch.randn(len(lengths), H, 1, P, generator=g).to(DEV)
+    q_rope = torch.randn(len(lengths), H, 1, R, generator=g).to(DEV)
+    latent, k_rope = torch.ops.hybrid.paged_gather(buf, gather, table, seq_lens, L, bs)
+    assert latent.shape == (len(lengths), 1, width, L) and k_rope.shape == (len(lengths), 1, width, R)
+    want = mla_attention(q_nope, q_rope, latent, k_rope, weight, keep[:, None, None, :].to(DEV), scale=SCALE)
+    got = mla_attention_paged(q_nope, q_rope, buf, table, seq_lens, weight, block_size=bs, scale=SCALE)
+    assert got.shape == (len(lengths), H, 1, V)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- compile
 def test_ops_under_torch_compile():
     """Cache write (mutating) + decode through Inductor on CPU (reference bodies), one graph."""
