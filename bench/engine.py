@@ -99,20 +99,24 @@ def hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool) -> 
     return ttft, total, out[:, prompts.shape[1]:].tolist()
 
 
-def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, int, list]:
-    """(prefill s, decode s, decode steps, generated ids); every step is timed (a step ends on the host)."""
+def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, int, list, float]:
+    """(prefill s, decode s, decode steps, generated ids, decode s the host was busy, i.e. not waiting for the
+    device); every step is timed (a step ends on the host)."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts.tolist()]
-    spent = dict(prefill=0.0, decode=0.0)
+    spent = dict(prefill=0.0, decode=0.0, wait=0.0)
     steps = 0
     while engine.has_unfinished():
-        decoded = engine.stats["decode_steps"]
+        decoded, waited = engine.stats["decode_steps"], engine.runner.wait_s
         t0 = time.perf_counter()
         engine.step()
         kind = "decode" if engine.stats["decode_steps"] > decoded else "prefill"
         spent[kind] += time.perf_counter() - t0
+        if kind == "decode":
+            spent["wait"] += engine.runner.wait_s - waited
         steps += kind == "decode"
-    return spent["prefill"], spent["decode"], steps, [engine.output(i).token_ids for i in ids]
+    outs = [engine.output(i).token_ids for i in ids]
+    return spent["prefill"], spent["decode"], steps, outs, spent["decode"] - spent["wait"]
 
 
 def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> None:
@@ -182,8 +186,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     tag(f"{name} {variant} B={b}: warm-up (compiles, records graphs)")
                     engine_generate(engine, prompts, 8)
                     tag(f"{name} {variant} B={b}: {new} tokens")
-                    pre, dec, steps, out = engine_generate(engine, prompts, new)
-                    row.update(ttft_ms=pre * 1e3, tpot_ms=dec / steps * 1e3)
+                    pre, dec, steps, out, busy = engine_generate(engine, prompts, new)
+                    row.update(ttft_ms=pre * 1e3, tpot_ms=dec / steps * 1e3, host_busy_ms=busy / steps * 1e3)
                     if args.profile:
                         profile_decode(engine, prompts)
                     if b in eager_ids:
@@ -214,15 +218,15 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | variant | B | new tokens | TTFT ms | TPOT ms | decode tok/s | x HF eager | % step roofline "
-             "| roofline ms | agreeing prefix vs eager | note |", "|" + "---|" * 12]
+    lines = ["| model | variant | B | new tokens | TTFT ms | TPOT ms | host busy ms/step | decode tok/s | x HF eager "
+             "| % step roofline | roofline ms | agreeing prefix vs eager | note |", "|" + "---|" * 13]
     eager = {(r["model"], r["batch"]): r for r in rows if r["variant"] == "hf-eager" and "tok_s" in r}
     for r in rows:
         e = eager.get((r["model"], r["batch"]))
         ratio = f"{r['tok_s'] / e['tok_s']:.1f}x" if e and "tok_s" in r else "-"
         f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
         lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['new_tokens']} | {f('ttft_ms', '.1f')} | "
-                     f"{f('tpot_ms', '.3f')} | {f('tok_s', '.0f')} | {ratio} | {f('pct_roofline', '.0f')} | "
+                     f"{f('tpot_ms', '.3f')} | {f('host_busy_ms', '.3f')} | {f('tok_s', '.0f')} | {ratio} | {f('pct_roofline', '.0f')} | "
                      f"{f('roofline_ms', '.3f')} | {f('agreeing_prefix', '.1f')} | {r.get('error', '')} |")
     return "\n".join(lines)
 

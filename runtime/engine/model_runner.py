@@ -11,6 +11,7 @@ as nano-vllm and vLLM do; prefills stay uncaptured.
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,7 @@ class ModelRunner:
         # pinned host buffers for sampled ids, used in turn (a step and the one running ahead of it)
         self._host_ids: list[torch.Tensor | None] = [None, None, None]
         self._ring = 0
+        self.wait_s = 0.0  # host time spent waiting for the device in ``finish`` (the rest is host work)
 
     @staticmethod
     def _compiled(model, compile: str | None):
@@ -203,7 +205,9 @@ class ModelRunner:
         device only here."""
         if pending.tokens is not None:
             if pending.event is not None:
+                t0 = time.perf_counter()
                 pending.event.synchronize()
+                self.wait_s += time.perf_counter() - t0
                 values = pending.host.tolist()
             else:
                 values = pending.tokens.tolist()
