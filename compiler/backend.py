@@ -40,25 +40,28 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
     publish(ctx.results, info)
     log.info("hybrid: graph %d: %d -> %d nodes, rewritten %s", graph_id, nodes_before, len(gm.graph.nodes), counts)
     if not opts.inductor:
-        return _inference(gm.forward, ctx.retrace)
+        return _inference(gm.forward, ctx.retrace, ctx.before_retrace)
     from torch._inductor.compile_fx import compile_fx
     patches = dict(opts.inductor_config)
     if mode is not None:
         patches = {**torch._inductor.list_mode_options(mode), **patches}
     with torch.no_grad():
         compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
-    return _inference(compiled, ctx.retrace)
+    return _inference(compiled, ctx.retrace, ctx.before_retrace)
 
 
-def _inference(fn, retrace: bool = False):
+def _inference(fn, retrace: bool = False, before_retrace=()):
     """hybrid compiles for inference: graphs are built and run without autograd (the fused ops have no
-    backward), also when the caller forgot ``torch.no_grad()``. With ``retrace``, the first run drops
-    dynamo's compiled code so the next call traces the model again (see passes/moe_eager.py)."""
+    backward), also when the caller forgot ``torch.no_grad()``. With ``retrace``, the first run calls
+    ``before_retrace`` (changes to what dynamo traces, made outside its analysis) and drops dynamo's compiled
+    code so the next call traces the model again (see passes/moe_eager.py, passes/ssm_scan.py)."""
     pending = [retrace]
 
     def run(*args):
         if pending[0]:
             pending[0] = False
+            for action in before_retrace:
+                action()
             torch._dynamo.reset_code_caches()
         with torch.no_grad():
             return fn(*args)

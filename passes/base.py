@@ -65,6 +65,9 @@ class PassContext:
     #: set by a pass that changed what dynamo should trace (e.g. the model's experts implementation):
     #: the backend then drops dynamo's compiled code once, when this graph first runs
     retrace: bool = False
+    #: what to change before that retrace: run when the graph first runs, never during dynamo's analysis
+    #: (dynamo may restart an analysis, and a global changed in between makes it diverge)
+    before_retrace: list = field(default_factory=list)
 
     def __post_init__(self):
         self.index = ModuleIndex(self.gm)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from compiler.numerics import close
 from graphs.modules import SSM, is_mamba1_mixer, mamba2_dims
 from graphs.regions import Region, Rewrite, node_value
 
-from .base import PassContext, RegionPass, Skip, eager_probe
+from .base import REWRITTEN, PassContext, RegionPass, Skip, eager_probe
 
 
 def _shape(n: fx.Node) -> tuple:
@@ -30,6 +31,16 @@ def _shape(n: fx.Node) -> tuple:
 class FuseSSM(RegionPass):
     kind = SSM
     name = "ssm"
+
+    def run(self, ctx: PassContext) -> int:
+        from .ssm_scan import adopt_mamba1_scans
+        note = adopt_mamba1_scans(ctx)
+        first = len(ctx.results)
+        count = super().run(ctx)
+        for r in ctx.results[first:]:  # the Mamba1 mixers of this graph say what happens to HF's scan
+            if note and r.status == REWRITTEN and r.reason.startswith("mamba1"):
+                r.reason += note
+        return count
 
     def required_params(self, module):
         return [("in_proj.weight", module.in_proj.weight), ("out_proj.weight", module.out_proj.weight)]
@@ -52,7 +63,9 @@ class FuseSSM(RegionPass):
             raise Skip(f"unexpected mixer inputs {[(n.name, tuple(node_value(n).shape)) for n in acts]} (hidden {len(hidden)}, masks {len(masks)}, written {len(written)})")
         hidden, mask = hidden[0], (masks[0] if masks else None)
         tensor_outputs = [o for o in region.outputs if isinstance(node_value(o), torch.Tensor)]
-        main = [o for o in tensor_outputs if _shape(o) == _shape(hidden)]
+        # statically known: a plain == on symbolic sizes would add a guard (T != 64 for a state of width 64)
+        main = [o for o in tensor_outputs if len(_shape(o)) == len(_shape(hidden))
+                and statically_known_true(sym_eq(_shape(o), _shape(hidden)))]
         if len(main) != 1:
             raise Skip("cannot tell the mixer output among the region outputs")
         main = main[0]

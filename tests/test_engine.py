@@ -280,11 +280,13 @@ def test_cuda_graph_decode_matches_hf_generate(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels in recorded steps need a GPU")
-def test_compiled_cuda_graph_engine_matches_hf_generate_mla():
-    """The GPU default (hybrid passes + Inductor, recorded decode steps) on DeepSeek-V2 in fp32: decode
-    attention is the paged Triton kernel over the latent pages (hybrid::mla_attention_paged)."""
+@pytest.mark.parametrize("name", ["deepseek_v2", "jamba"])
+def test_compiled_cuda_graph_engine_matches_hf_generate(name):
+    """The GPU default (hybrid passes + Inductor, recorded decode steps) in fp32: DeepSeek-V2's decode attention
+    is the paged Triton kernel over the latent pages (hybrid::mla_attention_paged); Jamba's Mamba1 scan traces
+    as hybrid::selective_scan_rt (passes/ssm_scan.py) next to paged attention and MoE layers."""
     prompts = PROMPTS + [list(range(50, 61))]
-    model = zoo.build("deepseek_v2", device="cuda")
+    model = zoo.build(name, device="cuda")
     with torch.no_grad():
         ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
                for p in prompts]

@@ -91,24 +91,39 @@ def test_prefill_continuing_from_cache_is_left_alone():
     assert any("continues from a cached state" in r.reason for r in results)
 
 
-@pytest.mark.parametrize("name", ["mamba2", "bamba"])
-def test_three_prompt_lengths_compile_once(name):
+@pytest.mark.parametrize("name", ["mamba2", "bamba", "mamba", "jamba"])
+def test_prompt_lengths_compile_once(name, monkeypatch):
     """With dynamic shapes the rewritten mixers keep the length symbolic: one graph for every prompt
-    length (Inductor included). HF's Mamba1 scan specialises on the length while dynamo traces it, so
-    Mamba1/Jamba recompile per length in drop-in mode; see docs/limitations.md."""
+    length (Inductor included). HF's Mamba1 scan (Mamba, Jamba) specialises on the length while dynamo
+    traces it: hybrid routes it through an opaque op when it first sees it (passes/ssm_scan.py), which costs
+    one retrace on the second call; no length compiles anything after that."""
+    import sys
+
     from compiler import collect
+    from passes.ssm_scan import NAME
     eager = zoo.build(name)
     model = zoo.build(name)
+    for m in model.modules():  # start from HF's own scan (an earlier test in this process may have wrapped it)
+        scan = getattr(sys.modules[type(m).__module__], NAME, None)
+        if hasattr(scan, "_hybrid_original"):
+            monkeypatch.setattr(sys.modules[type(m).__module__], NAME, scan._hybrid_original)
     torch._dynamo.reset()
     fwd = torch.compile(model.forward, backend="hybrid", dynamic=True)
     compiled_after = []
     with torch.no_grad(), collect() as report:
-        for t in (20, 29, 45):
+        for t in (20, 29, 45, 61):
             ids = prompt(eager, 1, t, seed=t)
             assert rel_err(fwd(ids, use_cache=True).logits, eager(ids, use_cache=True).logits) < 1e-5
             compiled_after.append(len(report.graphs))
     torch._dynamo.reset()
     # the first call may hand the backend more than one graph (dynamo restarts its analysis once when
     # Inductor specialises a float); later lengths must not compile anything
-    assert compiled_after[0] >= 1 and compiled_after[1] == compiled_after[0] == compiled_after[2], compiled_after
+    mamba1 = name in ("mamba", "jamba")
+    assert compiled_after[0] >= 1 and compiled_after[1] == compiled_after[2] == compiled_after[3], compiled_after
+    assert (compiled_after[1] == compiled_after[0] + 1) if mamba1 else (compiled_after[1] == compiled_after[0])
     assert all(r["status"] == "rewritten" for r in report.regions())
+    if mamba1:  # the explain report says what happened to HF's scan, and eager runs stay HF's
+        assert any("hybrid::selective_scan_rt" in r.reason for r in report.results), report.results
+        ids = prompt(eager, 1, 33, seed=3)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, eager(ids).logits)

@@ -87,6 +87,8 @@ class ModelRunner:
         if compile in (None, "none"):
             return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)
+        from passes.ssm_scan import install_for_model
+        install_for_model(model)  # HF's Mamba1 scan as an opaque op from the first trace: no retrace
         # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
             return torch.compile(model.forward, backend="hybrid", dynamic=True, options={"run_time_configs": True})

@@ -1,7 +1,8 @@
 """Plain torch references for the SSM ops: the CPU path of every ``hybrid::`` SSM op and the test oracle.
 
-All math is fp32; every function is shape-static and loop-free over time (the scans use log-depth
-doubling or the chunked SSD form), so the op bodies trace into small graphs under torch.compile.
+All math is fp32; every function is shape-static and loop-free over time (the Mamba1 scan is log-depth
+doubling inside one opaque op, ``hybrid::linear_scan_ref``; SSD uses the chunked form), so the op bodies trace
+into small graphs under torch.compile, with the length symbolic.
 Semantics follow Hugging Face's torch paths (``modeling_mamba.py`` / ``modeling_mamba2.py``), extended
 with initial states, slot indices (``state_indices``, -1 = pad row: no state write, output row 0) and
 arbitrary strides. Shapes: B batch rows, S state slots, C conv channels, K conv taps, W conv-state width,
@@ -58,11 +59,13 @@ def _scatter_rows(state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
     state.index_copy_(0, target, torch.where(vmask, new, fill_val))
 
 
-def _linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("hybrid::linear_scan_ref", mutates_args=())
+def _linear_scan_op(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive scan of h_t = a_t * h_{t-1} + b_t along ``dim`` (h_{-1} = 0) by log-depth doubling.
 
-    Returns (prod_{s<=t} a_s, h_t). Only products of decays (no divisions): stable.
-    """
+    Returns (prod_{s<=t} a_s, h_t). Only products of decays (no divisions): stable. An opaque op with a
+    shape-only fake: the doubling loop runs log2(T) times, and traced into a graph (an op body that calls
+    this reference under torch.compile) it would make the graph specialise on T."""
     n = a.shape[dim]
     shift = 1
     while shift < n:
@@ -74,7 +77,16 @@ def _linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple[torch.Tens
         new_a = torch.cat([a.narrow(dim, 0, shift), a_cur * a_prev], dim)
         a, b = new_a, new_b
         shift *= 2
-    return a, b
+    return a.clone(), b.clone()
+
+
+@_linear_scan_op.register_fake
+def _(a, b, dim):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.hybrid.linear_scan_ref(a, b, dim)
 
 
 # ---------------------------------------------------------------------------------------------------------
