@@ -237,6 +237,42 @@ def test_decode_running_ahead_drops_tokens_after_a_stop(name):
         assert engine.slots.num_used == 0
 
 
+def test_decode_runs_ahead_while_a_request_waits_for_cache():
+    """A request that cannot start for lack of cache blocks does not stop decode steps from running ahead
+    (Scheduler.would_prefill checks the blocks), and the tokens are the serial engine's."""
+    bs = 4
+    probe = Engine(zoo.build("llama"), compile=None, block_size=bs)
+    token_bytes = sum(l.buf[0].numel() * l.buf.element_size() for l in probe.cache.attention)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    late = list(range(10, 29))  # 19 prompt tokens: 5 blocks, more than are free once the first two have grown
+
+    def run(overlap: bool):
+        # 11 blocks: block 0 reserved, the first two requests hold at most 5 + 4 of the other 10
+        engine = Engine(zoo.build("llama"), compile=None, block_size=bs, cache_memory=11 * bs * token_bytes,
+                        overlap=overlap)
+        assert engine.blocks.num_blocks == 11
+        launched = []
+        launch = engine.runner.launch
+
+        def recording(step, ahead=None):
+            launched.append((ahead is not None, bool(engine.scheduler.waiting)))
+            return launch(step, ahead)
+        engine.runner.launch = recording
+        ids = [engine.add_request(p, params) for p in ([5, 6, 7, 8, 9], [40, 41, 42])]
+        for _ in range(8):
+            engine.step()
+        ids.append(engine.add_request(late, params))
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.scheduler.num_preemptions == 0
+        return [engine.output(i).token_ids for i in ids], launched
+
+    want, _ = run(False)
+    got, launched = run(True)
+    assert got == want
+    assert any(ahead and waiting for ahead, waiting in launched), launched
+
+
 def test_allocators():
     blocks = BlockAllocator(5, 4)
     a = blocks.allocate(2)

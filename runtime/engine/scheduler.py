@@ -50,9 +50,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def would_prefill(self) -> bool:
-        """Could the next step be a prefill (a partial prefill, or a waiting request with room to start)?"""
-        return (any(s.num_uncached > 1 for s in self.running)
-                or bool(self.waiting and len(self.running) < self.max_num_seqs))
+        """Could the next step be a prefill (a partial prefill, or a waiting request with room to start:
+        a batch slot, a state row and cache blocks for its first chunk)?"""
+        if any(s.num_uncached > 1 for s in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        return self._fits(seq, seq.num_cached + self._chunk(seq))
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``num_tokens`` cached tokens of a running sequence (False when the cache is full)."""
@@ -73,9 +78,7 @@ class Scheduler:
             seq = self.waiting[0]
         else:
             return None
-        n = seq.num_uncached
-        if self.chunked_prefill:
-            n = min(n, self.max_prefill_tokens)
+        n = self._chunk(seq)
         if not self._reserve(seq, seq.num_cached + n):
             return None
         if seq.status is Status.WAITING:
@@ -97,6 +100,17 @@ class Scheduler:
         if not batch:
             return None
         return Step("decode", batch, [1] * len(batch))
+
+    def _chunk(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` its next prefill step feeds."""
+        return min(seq.num_uncached, self.max_prefill_tokens) if self.chunked_prefill else seq.num_uncached
+
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        """Would ``_reserve(seq, num_tokens)`` succeed now? (allocates nothing)"""
+        if self.slots is not None and seq.state_slot is None and not self.slots.can_allocate():
+            return False
+        return self.blocks is None or self.blocks.can_allocate(
+            max(0, self.blocks.blocks_for(num_tokens) - len(seq.blocks)))
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``num_tokens`` cached tokens, and a state row; False when the cache is full."""
