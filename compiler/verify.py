@@ -52,8 +52,8 @@ class Verifier:
         after = self.recorder.after.get(region.key)
         if before is None or after is None:
             return False, "region was not reached when running the graph"
-        def value(n):
-            return _clone(before[n] if n in before else after[n])
+        def value(n):  # an input the op writes starts from its value before the region; others as they end
+            return _clone(before[n] if n in before and n in rw.mutates else after[n])
         try:
             args = map_arg(rw.args, value)
             kwargs = map_arg(rw.kwargs, value)

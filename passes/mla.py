@@ -7,7 +7,9 @@ anchors' inputs (query halves, latent, rope key, kv_b_proj weight, mask) and the
 the per-head re-expansion of the whole cache, the key assembly (``new_empty`` + two ``copy_``) and the
 attention itself. Projections, RoPE, HF's cache update and ``o_proj`` stay in the graph; so do HF's cache
 semantics. Before rewriting, the replaced sub-graph is cut out and run on random inputs against the op:
-a structure that computes something else is left to Inductor.
+a structure that computes something else is left to Inductor. In the engine's decode graphs the cache update
+returns ``hybrid::paged_gather`` (runtime/ops/mla/paged.py): a one-token attention whose latent and rope key
+come straight from it becomes ``hybrid::mla_attention_paged`` over the pages, and the gather is erased.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ calls HF's own function when running eagerly and, while dynamo traces, the opaqu
 (same math, a shape-only fake: the length stays symbolic). Dynamo's compiled code is dropped once and the next
 call retraces; from then on one graph serves every length, and the SSM pass rewrites the mixer around the op
 as before. The engine installs the wrapper before it compiles (no retrace). The wrapper stays installed for the
-process: other compiled models using that HF module also trace the opaque op.
+process: any later trace of that HF module (other backends, torch.export) sees the opaque op too, whose
+implementation is hybrid's scan (Triton on the GPU); an exported program then needs hybrid's ops registered.
 """
 from __future__ import annotations
 

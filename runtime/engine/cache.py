@@ -1,10 +1,12 @@
 """The engine's caches, as an HF ``Cache`` the unmodified model writes into.
 
 - Attention and MLA layers: one paged buffer per layer, ``[num_blocks * block_size, heads, Dv + Dk]``
-  (for MLA: heads = 1, rows ``[latent | rope]``, kv_lora_rank + rope dim = 576 values per token);
-  ``update`` writes the step's tokens at ``write_slots`` and returns the keys/values gathered by
-  ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are masked out), or on
-  a paged decode step the buffer itself (see ``attention.py``).
+  (for MLA: heads = 1, kv_lora_rank + rope dim = 576 values per token, rows ``[latent | rope]`` when the
+  engine decodes them paged); ``update`` writes the step's tokens at ``write_slots`` and returns the
+  keys/values gathered by ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are
+  masked out). On a paged decode step it returns instead the buffer itself (MHA/GQA, see ``attention.py``)
+  or, for MLA layers, the gather as ``hybrid::paged_gather`` with the step's block table and lengths
+  (``runtime/ops/mla/paged.py``).
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a prefill binds nothing and HF creates fresh
   states, which the runner then copies into the new sequence's row.

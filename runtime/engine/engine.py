@@ -49,8 +49,8 @@ class Engine:
         state_rows = (decode_bucket(max_num_seqs) if bucket_decode else max_num_seqs) if has_ssm else 0
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
         mla = hasattr(model.config, "kv_lora_rank")
-        if paged_decode is None:  # decode attention reads the pages in place: MLA layers anywhere (the MLA pass
-            # picks it up, runtime/ops/mla/paged.py), MHA/GQA layers on the GPU (attention.py)
+        if paged_decode is None:  # decode attention over the pages in place: MLA layers on any device once the
+            # MLA pass rewrites them (runtime/ops/mla/paged.py), MHA/GQA layers on the GPU (attention.py)
             paged_decode = has_attn and (mla or self.device.type == "cuda")
         self.cache = PagedCache(specs, num_blocks * block_size if has_attn else 1, state_rows, self.dtype,
                                 self.device, latent=mla and paged_decode, block_size=block_size)

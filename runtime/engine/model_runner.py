@@ -75,12 +75,13 @@ class ModelRunner:
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
         self.graphs_enabled = compile == "hybrid-cudagraphs" and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        #: (batch bucket, width) -> (static input, graph, (logits, greedy ids))
+        self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, tuple]] = {}
         self._pool = None
         # pinned host buffers for sampled ids, used in turn (a step and the one running ahead of it)
         self._host_ids: list[torch.Tensor | None] = [None, None, None]
         self._ring = 0
-        self.wait_s = 0.0  # host time spent waiting for the device in ``finish`` (the rest is host work)
+        self.wait_s = 0.0  # host time spent waiting for the device (events; sampled batches' reads are not counted)
 
     @staticmethod
     def _compiled(model, compile: str | None):
@@ -122,7 +123,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return list(host.split(sizes))
         if self._copied is not None:
+            t0 = time.perf_counter()
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
+            self.wait_s += time.perf_counter() - t0
         if self._staging is None or self._staging.numel() < host.numel():
             self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=True)
         staged = self._staging[:host.numel()]
@@ -163,9 +166,9 @@ class ModelRunner:
         else:
             width, host = 0, [ids, positions]
         device_ids = None if ahead is None else ahead.tokens
-        ids = None
+        greedy = None
         if step.kind == "decode" and self.graphs_enabled:
-            logits, ids = self._replay(batch, width, host, device_ids)
+            logits, greedy = self._replay(batch, width, host, device_ids)
         else:
             inputs = self._upload(host)
             if device_ids is not None:
@@ -178,7 +181,7 @@ class ModelRunner:
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_cached += n
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
-        return self._sample_async(Pending(step, done), logits, None if ids is None else ids[:len(step.seqs)])
+        return self._sample_async(Pending(step, done), logits, None if greedy is None else greedy[:len(step.seqs)])
 
     def _sample_async(self, pending: "Pending", logits: torch.Tensor, ids: torch.Tensor | None) -> "Pending":
         """Greedy batches: argmax on the device (``ids``: already taken inside a recorded step) and an

@@ -11,7 +11,8 @@ The MLA pass (passes/mla.py), when a one-token decode's latent and rope key come
 emits ``hybrid::mla_attention_paged`` instead of ``hybrid::mla_attention``: W_UK absorbed into the query,
 split-KV ``hybrid::mla_decode`` over the pages in place, W_UV applied to the output. The gather (a copy of
 every cached token, then read again) disappears from the graph; each cached token's L + R values are read
-once. The attention mask is not read: by the contract above it says what seq_lens says.
+once. The attention mask is not read: by the contract above it says what seq_lens says. The engine's tests hold
+the contract to account end to end (greedy tokens equal HF generate's through this op, tests/test_engine.py).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _mla_attention_paged(q_nope: Tensor, q_rope: Tensor, buf: Tensor, block_tabl
     block_table [B, W] int32, seq_lens [B] int32, kv_b_weight [H*(P+V), L] -> [B, H, 1, V]: what
     ``hybrid::mla_attention`` returns over the gathered keys under the contract above."""
     b, h, t, p = q_nope.shape
+    torch._check(t == 1, lambda: f"mla_attention_paged decodes one query token per sequence, got {t}")
     lat_dim = kv_b_weight.shape[-1]
     w = kv_b_weight.view(h, -1, lat_dim)
     w_uk, w_uv = w[:, :p], w[:, p:]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..library import op_name
+
 _SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x > 20 -> x
 
 
@@ -59,7 +61,7 @@ def _scatter_rows(state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
     state.index_copy_(0, target, torch.where(vmask, new, fill_val))
 
 
-@torch.library.custom_op("hybrid::linear_scan_ref", mutates_args=())
+@torch.library.custom_op(op_name("linear_scan_ref"), mutates_args=())
 def _linear_scan_op(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive scan of h_t = a_t * h_{t-1} + b_t along ``dim`` (h_{-1} = 0) by log-depth doubling.
 
@@ -77,7 +79,7 @@ def _linear_scan_op(a: torch.Tensor, b: torch.Tensor, dim: int) -> tuple[torch.T
         new_a = torch.cat([a.narrow(dim, 0, shift), a_cur * a_prev], dim)
         a, b = new_a, new_b
         shift *= 2
-    return a.clone(), b.clone()
+    return (a.clone(), b.clone()) if n <= 1 else (a, b)  # after a round both are fresh (cat): no alias
 
 
 @_linear_scan_op.register_fake
