@@ -48,11 +48,11 @@ HF_MAX_BYTES = 40e9          # skip HF's expansion when its intermediates would 
 CACHE_MAX_BYTES = 30e9       # skip decode combinations whose latent cache would exceed this
 TUNE = {  # swept by --tune: kernels (block_h, block_n, num_warps, num_stages) x per_sm (programs resident per
     # SM, which only sets the split count); scored by the summed time over the regime's tune shapes (B, S)
-    "decode_small_h": dict(kernels=[(16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 32, 8, 3), (16, 64, 4, 2),
-                                    (16, 64, 4, 3), (16, 64, 8, 2), (16, 64, 8, 3), (16, 128, 4, 2), (16, 128, 8, 2)],
+    "decode_small_h": dict(kernels=[(16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 16, 4, 4), (16, 16, 4, 5),
+                                    (16, 32, 8, 3), (16, 32, 8, 4), (16, 64, 8, 3), (16, 64, 4, 3), (16, 16, 8, 5)],
                            per_sm=[1, 2, 3, 4], shapes=[(8, 16384), (32, 4096), (128, 16384)]),
-    "decode_large_h": dict(kernels=[(64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1),
-                                    (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2)],
+    "decode_large_h": dict(kernels=[(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 4),
+                                    (64, 16, 8, 5), (32, 32, 4, 3), (32, 32, 8, 3), (32, 64, 8, 3)],
                            per_sm=[1, 2], shapes=[(8, 16384), (64, 4096), (64, 16384)]),
 }
 
@@ -347,7 +347,8 @@ def compile_check() -> None:
                     s_kls=L + R, s_krb=page * (L + R), s_krs=L + R, s_bt=256, s_mb=0, s_mt=0, s_ms=0, s_ob=H * L,
                     s_ot=H * L, s_oh=L, H=H, T=1, S=4096, L=L, R=R, NSEQ=64, NUM_SPLITS=4, T_SCR=1)
         cx = dict(s_qld=1, s_qrd=1, s_kld=1, s_krd=1, MODE=mode, PAGE=page, MASK_KIND=0, CAUSAL=causal, SPLIT=split,
-                  SEARCH_STEPS=7, IEEE=False, BQ=bq, BH=bh, BN=bn, BLOCK_L=L, BLOCK_R=R)
+                  SEARCH_STEPS=7, IEEE=False, BQ=bq, BH=bh, BN=bn, BLOCK_L=L, BLOCK_R=R,
+                  WIN=kernels._window_pages(page, bn))
         sig = {n: ("constexpr" if n in cx else args.get(n, "fp32" if n == "sm_scale_log2" else "i32"))
                for n in kernels._mla_attn_kernel.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernels._mla_attn_kernel.arg_names)

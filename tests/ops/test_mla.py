@@ -69,8 +69,16 @@ def test_cache_write_all_skipped(impl):
 
 
 # ---------------------------------------------------------------------------------------------- decode
-@pytest.mark.parametrize("L,R,H,block_size,block_n", [(32, 8, 3, 16, 64), (32, 8, 3, 64, 16), (64, 16, 5, 16, 32)])
-def test_decode_matches_reference(L, R, H, block_size, block_n):
+@pytest.fixture(params=[1024, 16], ids=["window1k", "window16"])
+def window_keys(request, monkeypatch):
+    """Block ids are read a window at a time: small windows cross many window edges (unaligned with odd pages)."""
+    monkeypatch.setitem(kernels.CONFIGS, "window_keys", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("L,R,H,block_size,block_n", [(32, 8, 3, 16, 64), (32, 8, 3, 64, 16), (64, 16, 5, 16, 32),
+                                                      (32, 8, 3, 24, 32)])
+def test_decode_matches_reference(L, R, H, block_size, block_n, window_keys):
     seq_lens = [1, 17, 300, 0, 64]
     cache, bt, sl = _paged(seq_lens, L, R, block_size)
     q_lat, q_rope = randn(len(seq_lens), H, L), randn(len(seq_lens), H, R)
@@ -106,8 +114,9 @@ def test_choose_num_splits_is_shape_only():
 
 # ---------------------------------------------------------------------------------------------- prefill
 @pytest.mark.parametrize("L,R,H,block_size,config", [
-    (32, 8, 3, 16, None), (32, 8, 3, 64, {"block_m": 16, "block_n": 16}), (64, 16, 3, 16, {"block_m": 8})])
-def test_prefill_matches_reference(L, R, H, block_size, config):
+    (32, 8, 3, 16, None), (32, 8, 3, 64, {"block_m": 16, "block_n": 16}), (64, 16, 3, 16, {"block_m": 8}),
+    (32, 8, 3, 24, None)])
+def test_prefill_matches_reference(L, R, H, block_size, config, window_keys):
     # (cached prefix + new tokens): 295 + 5, fresh prompt 17, single token, 40 new over 260 cached, 1 + 0
     seq_lens = [300, 17, 1, 300, 1]
     q_lens = [5, 17, 1, 40, 0]

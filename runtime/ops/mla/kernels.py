@@ -50,6 +50,8 @@ CONFIGS = {
     "prefill": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "dense": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "merge": dict(num_warps=4),
+    # paged keys: block ids are read a window of this many keys at a time (one load per window, not per tile)
+    "window_keys": 1024,
     # split-KV (choose_num_splits): keep >= min_tokens keys per split so the fp32 partials (H*L*4 bytes per
     # split, mostly L2-resident) stay small next to the keys they summarise; overhead and merge_launch are
     # in units of keys read by one program (setup + partial write; the merge kernel's launch).
@@ -104,6 +106,51 @@ def _tile_rows(num_heads: int, multi_query: bool, block_m: int, block_h: int) ->
 # the attention kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _attend_tile(q_lat, q_rope, KL, KR, row_l, row_r, s_kld, s_krd, offs_l, offs_r, l_ok, r_ok, offs_n, n_ok, rows,
+                 lim, MASK, b64, t64, s_mb, s_mt, s_ms, sm_scale_log2, m_i, l_i, acc,
+                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile [BN] (row offsets row_l / row_r into the latent / rope arrays): scores, masks, online
+    softmax update of (m_i, l_i, acc). The latent tile feeds both dots."""
+    kv_dtype = KL.dtype.element_ty
+    lat = tl.load(KL + row_l[:, None] + offs_l[None, :] * s_kld,
+                  mask=n_ok[:, None] & l_ok[None, :], other=0.0)              # [BN, BLOCK_L]
+    rope = tl.load(KR + row_r[:, None] + offs_r[None, :] * s_krd,
+                   mask=n_ok[:, None] & r_ok[None, :], other=0.0)             # [BN, BLOCK_R]
+    if IEEE:
+        qk = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+        qk = tl.dot(q_rope, tl.trans(rope), acc=qk, input_precision="ieee")
+    else:
+        qk = tl.dot(q_lat, tl.trans(lat))
+        qk = tl.dot(q_rope, tl.trans(rope), acc=qk)
+    qk = qk * tl.cast(sm_scale_log2, tl.float32)  # [M, BN], log2 units (fp32 even if the scalar arrives as fp64)
+    keep = n_ok[None, :] & (rows >= 0)[:, None]        # padded rows (q = 0) stay finite; stores mask them
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= lim[:, None])
+    if MASK_KIND == 1:
+        mv = tl.load(MASK + b64 * s_mb + t64[:, None] * s_mt + offs_n[None, :] * s_ms,
+                     mask=keep, other=0)
+        keep = keep & (mv != 0)
+    if MASK_KIND == 2:
+        mv = tl.load(MASK + b64 * s_mb + t64[:, None] * s_mt + offs_n[None, :] * s_ms,
+                     mask=keep, other=0.0).to(tl.float32)
+        # finite biases are clamped to -1e37 so that * log2(e) cannot overflow to -inf: a row
+        # biased by finfo.min everywhere stays finite (uniform, as in SDPA); -inf stays -inf.
+        bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e37) * 1.4426950408889634)
+        qk = qk + bias
+    qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = tl.dot(p.to(kv_dtype), lat, acc=acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(kv_dtype), lat, acc=acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_attn_kernel(
     QL, QR, KL, KR, BT, SEQ, QSL, MASK, O, PO, PLSE,
     s_qlb, s_qlt, s_qlh, s_qld, s_qrb, s_qrt, s_qrh, s_qrd,      # query strides (batch, token, head, dim)
@@ -114,6 +161,7 @@ def _mla_attn_kernel(
     MODE: tl.constexpr, PAGE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, SEARCH_STEPS: tl.constexpr, IEEE: tl.constexpr,
     BQ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    WIN: tl.constexpr,
 ):
     pid_tile = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -186,55 +234,34 @@ def _mla_attn_kernel(
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, BLOCK_L], dtype=tl.float32)
-
-    for start in range(k_lo, k_hi, BN):
-        offs_n = start + tl.arange(0, BN)
-        n_ok = offs_n < k_hi
-        if PAGE > 0:
-            blk = tl.load(BT + b64 * s_bt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            slot = (offs_n % PAGE).to(tl.int64)
-            row_l = blk * s_klb + slot * s_kls
-            row_r = blk * s_krb + slot * s_krs
-        else:
+    if PAGE > 0:
+        # Windows of WIN pages: the window's block ids are loaded once, and each key tile picks its rows from
+        # them in registers (tl.gather). Key addresses then depend on no load inside the inner loop, so the
+        # pipeliner keeps num_stages - 1 tiles in flight; a block-table load per tile would serialise them.
+        w0 = k_lo
+        while w0 < k_hi:
+            page0 = w0 // PAGE
+            pages = page0 + tl.arange(0, WIN)
+            w1 = tl.minimum((page0 + WIN) * PAGE, k_hi)
+            bt_win = tl.load(BT + b64 * s_bt + pages, mask=pages * PAGE < w1, other=0).to(tl.int64)
+            for start in tl.range(w0, w1, BN):
+                offs_n = start + tl.arange(0, BN)
+                n_ok = offs_n < w1
+                blk = tl.gather(bt_win, tl.minimum(offs_n // PAGE - page0, WIN - 1), 0)
+                slot = (offs_n % PAGE).to(tl.int64)
+                m_i, l_i, acc = _attend_tile(
+                    q_lat, q_rope, KL, KR, blk * s_klb + slot * s_kls, blk * s_krb + slot * s_krs, s_kld, s_krd,
+                    offs_l, offs_r, l_ok, r_ok, offs_n, n_ok, rows, lim, MASK, b64, t64, s_mb, s_mt, s_ms,
+                    sm_scale_log2, m_i, l_i, acc, CAUSAL, MASK_KIND, IEEE)
+            w0 = w1
+    else:
+        for start in range(k_lo, k_hi, BN):
+            offs_n = start + tl.arange(0, BN)
             n64 = offs_n.to(tl.int64)
-            row_l = b64 * s_klb + n64 * s_kls
-            row_r = b64 * s_krb + n64 * s_krs
-        lat = tl.load(KL + row_l[:, None] + offs_l[None, :] * s_kld,
-                      mask=n_ok[:, None] & l_ok[None, :], other=0.0)              # [BN, BLOCK_L]
-        rope = tl.load(KR + row_r[:, None] + offs_r[None, :] * s_krd,
-                       mask=n_ok[:, None] & r_ok[None, :], other=0.0)             # [BN, BLOCK_R]
-        if IEEE:
-            qk = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
-            qk = tl.dot(q_rope, tl.trans(rope), acc=qk, input_precision="ieee")
-        else:
-            qk = tl.dot(q_lat, tl.trans(lat))
-            qk = tl.dot(q_rope, tl.trans(rope), acc=qk)
-        qk = qk * tl.cast(sm_scale_log2, tl.float32)  # [M, BN], log2 units (fp32 even if the scalar arrives as fp64)
-        keep = n_ok[None, :] & (rows >= 0)[:, None]        # padded rows (q = 0) stay finite; stores mask them
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= lim[:, None])
-        if MASK_KIND == 1:
-            mv = tl.load(MASK + b64 * s_mb + t64[:, None] * s_mt + offs_n[None, :] * s_ms,
-                         mask=keep, other=0)
-            keep = keep & (mv != 0)
-        if MASK_KIND == 2:
-            mv = tl.load(MASK + b64 * s_mb + t64[:, None] * s_mt + offs_n[None, :] * s_ms,
-                         mask=keep, other=0.0).to(tl.float32)
-            # finite biases are clamped to -1e37 so that * log2(e) cannot overflow to -inf: a row
-            # biased by finfo.min everywhere stays finite (uniform, as in SDPA); -inf stays -inf.
-            bias = tl.where(mv == float("-inf"), float("-inf"), tl.maximum(mv, -1.0e37) * 1.4426950408889634)
-            qk = qk + bias
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p.to(kv_dtype), lat, acc=acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(kv_dtype), lat, acc=acc * alpha[:, None])
-        m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q_lat, q_rope, KL, KR, b64 * s_klb + n64 * s_kls, b64 * s_krb + n64 * s_krs, s_kld, s_krd,
+                offs_l, offs_r, l_ok, r_ok, offs_n, offs_n < k_hi, rows, lim, MASK, b64, t64, s_mb, s_mt, s_ms,
+                sm_scale_log2, m_i, l_i, acc, CAUSAL, MASK_KIND, IEEE)
 
     l_use = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_use[:, None]
@@ -307,7 +334,8 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
         MODE=mode, PAGE=page, MASK_KIND=mask_kind, CAUSAL=causal, SPLIT=split,
         SEARCH_STEPS=max(1, math.ceil(math.log2(max(nseq, 1))) + 1) if mode == MODE_PREFILL else 1,
         IEEE=kl.dtype == torch.float32, BQ=bq, BH=bh, BN=cfg["block_n"],
-        BLOCK_L=_pow2(L), BLOCK_R=_pow2(R), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_L=_pow2(L), BLOCK_R=_pow2(R), WIN=_window_pages(page, cfg["block_n"]), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split:
         wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
@@ -315,6 +343,14 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
             BLOCK_L=_pow2(L), num_warps=CONFIGS["merge"]["num_warps"],
         )
     return out
+
+
+def _window_pages(page: int, block_n: int) -> int:
+    """Pages per block-table window (a power of two; 1 for unpaged keys): about CONFIGS["window_keys"] keys,
+    at least one key tile."""
+    if page <= 0:
+        return 1
+    return triton.next_power_of_2(max(triton.cdiv(CONFIGS["window_keys"], page), triton.cdiv(block_n, page)))
 
 
 def _out_strides(out: torch.Tensor, mode: int):
