@@ -23,6 +23,12 @@ def close(a, b, tol=1e-4):
     assert err <= tol, f"max error {err:.3e} (tol {tol:.0e})"
 
 
+@pytest.fixture(autouse=True)
+def callers_chunk(monkeypatch):
+    """The tests pick chunk lengths (to cross chunk edges at small T): honour them, not the tuned CHUNK."""
+    monkeypatch.setitem(CONFIG["ssd"], "CHUNK", 0)
+
+
 @pytest.fixture(params=[True, False], ids=["cb", "no_cb"])
 def cb_variant(request):
     old = CONFIG["ssd"]["CB"]
@@ -164,3 +170,16 @@ def test_ssd_continuation_and_decode():
                                   kw["D"], k2["z"][:, t], kw["dt_bias"], True, 0.0, INF, None) for t in range(T2)]
     close(torch.stack(ys, 1), y2)
     close(state, s2)
+
+
+@pytest.mark.parametrize("block_p,block_n", [(16, 16), (32, 16)])
+def test_ssd_states_split_into_tiles(monkeypatch, block_p, block_n):
+    """The sequential states kernel split over several (P, N) tiles per head, ragged at both edges."""
+    monkeypatch.setitem(CONFIG["ssd"], "STATE_BLOCK_P", block_p)
+    monkeypatch.setitem(CONFIG["ssd"], "STATE_BLOCK_N", block_n)
+    g = torch.Generator().manual_seed(3)
+    kw = make_inputs(2, 77, 3, 40, 1, 48, g, init=True, z=True)
+    y, s = ssd_scan_triton(chunk_size=32, **kw)
+    y_ref, s_ref = ref.ssd_scan_ref(chunk_size=32, **kw)
+    close(y, y_ref)
+    close(s, s_ref)

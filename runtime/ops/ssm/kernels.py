@@ -22,19 +22,23 @@ CONFIG: dict[str, dict] = {
     "scan_update": {"TILE": 2048, "num_warps": 4},
     # SSD chunked scan. CHUNK = 0: use the caller's chunk_size (rounded up to a power of two, clamped to
     # [16, 256]); results do not depend on it beyond rounding. BLOCK_M/BLOCK_K: output/source sub-blocks
-    # inside a chunk (<= chunk). BLOCK_P: head-dim block. PASS_BLOCK: state elements per program in the
-    # chunk-to-chunk pass. CB: precompute C.B^T per (chunk, group) once and share it across heads.
+    # inside a chunk (<= chunk). BLOCK_P: head-dim block. STATE_BLOCK_P/N: state tile of one program of the
+    # sequential states kernel, N halved (down to 32) while fewer than STATE_MIN_PROGRAMS programs would run.
+    # CB: precompute C.B^T per (chunk, group) once and share it across heads. Tuned on the H200 at 128 heads,
+    # T = 32K (bench/ssd_sweep.py, 2026-11-29).
     "ssd": {
-        "CHUNK": 0,
+        "CHUNK": 128,
         "BLOCK_M": 64,
-        "BLOCK_K": 64,
+        "BLOCK_K": 32,
         "BLOCK_P": 64,
-        "PASS_BLOCK": 1024,
         "CB": True,
+        "STATE_BLOCK_P": 64,
+        "STATE_BLOCK_N": 128,
+        "STATE_MIN_PROGRAMS": 128,
         "num_warps": 4,
         "num_stages": 2,
-        "state_num_warps": 4,
-        "pass_num_warps": 4,
+        "state_num_warps": 8,
+        "state_num_stages": 3,
     },
     # ssd_state_update (decode): state tile [BLOCK_P, N_pow2], BLOCK_P = max(1, TILE // N_pow2)
     "ssd_update": {"TILE": 4096, "num_warps": 4},

@@ -1,19 +1,20 @@
 """Mamba2 SSD: chunked scan (prefill) and the per-token state update (decode).
 
 Prefill runs in chunks of L steps (L is ours to pick: the result does not depend on it beyond rounding):
-  1. ``_ssd_chunk_state_kernel`` per (b, chunk, head, P-block): dt = clamp(softplus(dt + bias)), the
-     within-chunk cumsum of dt*A (written to a small workspace for step 4) and the chunk's end state
-     from zero, sum_l x_l (B_l exp(cum_end - cum_l) dt_l)^T  [P, N] (tl.dot over sub-blocks).
-  2. ``_ssd_cb_kernel`` (CONFIG["ssd"]["CB"]) per (b, chunk, group): C.B^T [L, L] once, shared by the
+  1. ``_ssd_dt_kernel`` per (b, head, chunk): dt = clamp(softplus(dt + bias)) and the within-chunk cumsum of
+     dt*A, to two small fp32 workspaces [B, H, nchunks*L].
+  2. ``_ssd_states_kernel`` per (b, head, P-block, N-block), sequential over the chunks: stores each chunk's
+     start state (x.dtype, for step 4's dot), then s = exp(total) s + x^T (B exp(total - cum) dt) with one
+     tl.dot; the final state stays fp32. Chunk states never go to memory in fp32, and the loop body holds
+     only loads that do not depend on s, so the pipeliner keeps num_stages - 1 chunks in flight.
+  3. ``_ssd_cb_kernel`` (CONFIG["ssd"]["CB"]) per (b, chunk, group): C.B^T [L, L] once, shared by the
      group's heads instead of recomputed by each head in step 4.
-  3. ``_ssd_state_pass_kernel`` per (b, head, block of P*N): sequential over chunks, start state of every
-     chunk (stored in x.dtype for step 4's dot) and the final state (fp32).
   4. ``_ssd_chunk_scan_kernel`` per (b, chunk, M-block, head, P-block):
      y_m = exp(cum_m) C_m . start_state + sum_{k<=m} (C_m B_k^T * exp(cum_m - cum_k) * dt_k) x_k + D x_m,
      gated by silu(z) if given; source blocks past the diagonal are skipped.
 Heads vary fastest in the launch order so programs running together share a chunk's B/C/CB in L2.
-Traffic per token (bf16, 128 heads x 64 x 128, L = 256): x read twice + y written (48 KB), chunk states
-write/read/write/read (4 MB per chunk-head-set / L = 16+16+8+8 KB); ~100 KB/token in all.
+Traffic per token (bf16, 128 heads x 64 x 128, L = 128): x read twice + y written (48 KB), start states
+written and read in bf16 (2 MB per chunk / L, twice: 32 KB); ~80 KB/token in all.
 """
 from __future__ import annotations
 
@@ -57,68 +58,74 @@ def _process_dt(dt_raw, db_ptr, h, dt_min, dt_max, HAS_DB: tl.constexpr, SOFTPLU
 
 
 @triton.jit
-def _ssd_chunk_state_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, db_ptr, dtw_ptr, cum_ptr, st_ptr,
-    T, H, P, N, nchunks, n_pblk, hpg, dt_min, dt_max,
-    sxb, sxt, sxh, sxp, sdb, sdt, sdh, sBb, sBt, sBg, sBn,
+def _ssd_dt_kernel(
+    dt_ptr, A_ptr, db_ptr, dtw_ptr, cum_ptr, T, H, nchunks, dt_min, dt_max, sdb, sdt, sdh,
     HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr, L: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Per (b, head, chunk): processed dt and the within-chunk cumsum of dt*A, to the [B, H, nchunks*L] workspaces."""
     pid = tl.program_id(0)
-    pb = pid % n_pblk
-    rest = pid // n_pblk
-    h = rest % H
-    rest = rest // H
-    c = rest % nchunks
-    b = (rest // nchunks).to(tl.int64)
+    c = pid % nchunks
+    bh = (pid // nchunks).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    t = (c * L + tl.arange(0, L)).to(tl.int64)
+    mt = t < T
+    dt = _process_dt(tl.load(dt_ptr + b * sdb + h * sdh + t * sdt, mask=mt, other=0.0), db_ptr, h, dt_min, dt_max,
+                     HAS_DB, SOFTPLUS)
+    dt = tl.where(mt, dt, 0.0)
+    ws = bh * (nchunks * L) + c * L + tl.arange(0, L)
+    tl.store(dtw_ptr + ws, dt)
+    tl.store(cum_ptr + ws, tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0))
+
+
+@triton.jit
+def _ssd_states_kernel(
+    x_ptr, B_ptr, h0_ptr, dtw_ptr, cum_ptr, prev_ptr, fin_ptr,
+    T, H, P, N, nchunks, n_pblk, n_nblk, hpg,
+    sxb, sxt, sxh, sxp, sBb, sBt, sBg, sBn, shb, shh, shp, shn,
+    HAS_H0: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Chunk states and state passing in one sweep over the chunks, per (b, head, P-block, N-block):
+    store the chunk's start state, then s = exp(total) s + sum_l x_l^T (exp(total - cum_l) dt_l) B_l.
+    dt and cum come from the workspaces, so the sequential chain holds only loads, a scale and one dot."""
+    pid = tl.program_id(0)
+    nb = pid % n_nblk
+    rest = pid // n_nblk
+    pb = rest % n_pblk
+    bh = (rest // n_pblk).to(tl.int64)
+    b = bh // H
+    h = bh % H
     g = h // hpg
-    A_h = tl.load(A_ptr + h).to(tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, L)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mp = offs_p < P
     mn = offs_n < N
-    t0 = c * L
-    ws = (b * H + h) * (nchunks * L) + t0  # workspace row of (b, h), this chunk
-    dt_base = dt_ptr + b * sdb + h * sdh
-
-    # pass 1: processed dt and within-chunk cumsum of dt*A (workspace), total decay of the chunk
-    total = 0.0
-    for k0 in range(0, L, BLOCK_K):
-        t = (t0 + k0 + offs_k).to(tl.int64)
-        mt = t < T
-        dt = _process_dt(tl.load(dt_base + t * sdt, mask=mt, other=0.0), db_ptr, h, dt_min, dt_max, HAS_DB,
-                         SOFTPLUS)
-        dt = tl.where(mt, dt, 0.0)
-        dA = dt * A_h
-        if pb == 0:
-            tl.store(dtw_ptr + ws + k0 + offs_k, dt)
-            tl.store(cum_ptr + ws + k0 + offs_k, tl.cumsum(dA, 0) + total)
-        total += tl.sum(dA, 0)
-
-    # pass 2: end state from zero, [P, N] += x^T [P, K] @ (B * exp(total - cum) * dt) [K, N]
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    run = 0.0
+    mpn = mp[:, None] & mn[None, :]
+    if HAS_H0:
+        s = tl.load(h0_ptr + b * shb + h * shh + offs_p[:, None] * shp + offs_n[None, :] * shn, mask=mpn,
+                    other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     x_base = x_ptr + b * sxb + h * sxh
     B_base = B_ptr + b * sBb + g * sBg
-    for k0 in range(0, L, BLOCK_K):
-        t = (t0 + k0 + offs_k).to(tl.int64)
+    ws = bh * (nchunks * L)
+    PN = P * N
+    for c in range(nchunks):
+        t = (c * L + offs_l).to(tl.int64)
         mt = t < T
-        dt = _process_dt(tl.load(dt_base + t * sdt, mask=mt, other=0.0), db_ptr, h, dt_min, dt_max, HAS_DB,
-                         SOFTPLUS)
-        dt = tl.where(mt, dt, 0.0)
-        dA = dt * A_h
-        cum = tl.cumsum(dA, 0) + run
-        run += tl.sum(dA, 0)
-        w = tl.exp(total - cum) * dt  # [K]
+        dt = tl.load(dtw_ptr + ws + c * L + offs_l)
+        cum = tl.load(cum_ptr + ws + c * L + offs_l)
+        total = tl.load(cum_ptr + ws + c * L + (L - 1))
+        st = prev_ptr + ((b * nchunks + c) * H + h) * PN
+        tl.store(st + offs_p[:, None] * N + offs_n[None, :], s.to(prev_ptr.dtype.element_ty), mask=mpn)
         xt = tl.load(x_base + offs_p[:, None] * sxp + t[None, :] * sxt, mask=mp[:, None] & mt[None, :],
-                     other=0.0)  # [P, K]
+                     other=0.0)  # [P, L]
+        xw = (xt.to(tl.float32) * (tl.exp(total - cum) * dt)[None, :]).to(xt.dtype)
         Bk = tl.load(B_base + t[:, None] * sBt + offs_n[None, :] * sBn, mask=mt[:, None] & mn[None, :],
-                     other=0.0).to(tl.float32)  # [K, N]
-        Bk = (Bk * w[:, None]).to(xt.dtype)
-        acc = _dot(xt, Bk, acc, IEEE)
-    st = st_ptr + ((b * nchunks + c) * H + h) * (P * N)
-    tl.store(st + offs_p[:, None] * N + offs_n[None, :], acc, mask=mp[:, None] & mn[None, :])
+                     other=0.0).to(xt.dtype)  # [L, N]
+        s = _dot(xw, Bk, s * tl.exp(total), IEEE)
+    tl.store(fin_ptr + bh * PN + offs_p[:, None] * N + offs_n[None, :], s, mask=mpn)
 
 
 @triton.jit
@@ -151,35 +158,6 @@ def _ssd_cb_kernel(
         cb = _dot(Cm, Bk.to(Cm.dtype), tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32), IEEE)
         base = cb_ptr + ((b * nchunks + c) * G + g) * (L * L)
         tl.store(base + offs_m[:, None] * L + offs_k[None, :], cb)
-
-
-@triton.jit
-def _ssd_state_pass_kernel(
-    st_ptr, cum_ptr, h0_ptr, prev_ptr, fin_ptr,
-    H, P, N, nchunks,
-    shb, shh, shp, shn,
-    HAS_H0: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr,
-):
-    pid_e = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    offs = pid_e * BLOCK + tl.arange(0, BLOCK)
-    PN = P * N
-    me = offs < PN
-    if HAS_H0:
-        s = tl.load(h0_ptr + b * shb + h * shh + (offs // N) * shp + (offs % N) * shn, mask=me,
-                    other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BLOCK], dtype=tl.float32)
-    cum_row = cum_ptr + bh * (nchunks * L) + (L - 1)
-    for c in range(nchunks):
-        off = ((b * nchunks + c) * H + h) * PN + offs
-        chunk_state = tl.load(st_ptr + off, mask=me, other=0.0)
-        tl.store(prev_ptr + off, s.to(prev_ptr.dtype.element_ty), mask=me)
-        decay = tl.exp(tl.load(cum_row + c * L))
-        s = s * decay + chunk_state
-    tl.store(fin_ptr + bh * PN + offs, s, mask=me)
 
 
 @triton.jit
@@ -302,19 +280,31 @@ def ssd_scan_triton(
 
     dtw = torch.empty(bsz, nheads, nch * L, dtype=torch.float32, device=dev)
     cum = torch.empty(bsz, nheads, nch * L, dtype=torch.float32, device=dev)
-    states = torch.empty(bsz, nch, nheads, hdim, dstate, dtype=torch.float32, device=dev)
     prev = torch.empty(bsz, nch, nheads, hdim, dstate, dtype=x.dtype, device=dev)
     final = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=dev)
     y = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
     db = dt_bias if dt_bias is not None else A
+    h0 = initial_states if initial_states is not None else final
 
-    wrap_triton(_ssd_chunk_state_kernel)[(bsz * nch * nheads * n_pblk,)](
-        x, dt, A, Bm, db, dtw, cum, states,
-        seqlen, nheads, hdim, dstate, nch, n_pblk, hpg, *_dt_limits(dt_min, dt_max),
-        x.stride(0), x.stride(1), x.stride(2), x.stride(3), dt.stride(0), dt.stride(1), dt.stride(2),
+    sp = min(cfg["STATE_BLOCK_P"], max(next_pow2(hdim), 16))
+    sn = min(cfg["STATE_BLOCK_N"], bn)
+    n_sp = triton.cdiv(hdim, sp)
+    while sn > 32 and bsz * nheads * n_sp * triton.cdiv(dstate, sn) < cfg["STATE_MIN_PROGRAMS"]:
+        sn //= 2  # one program per SM at least: the states kernel is sequential over the chunks
+    n_sn = triton.cdiv(dstate, sn)
+    wrap_triton(_ssd_dt_kernel)[(bsz * nheads * nch,)](
+        dt, A, db, dtw, cum, seqlen, nheads, nch, *_dt_limits(dt_min, dt_max),
+        dt.stride(0), dt.stride(1), dt.stride(2),
+        HAS_DB=dt_bias is not None, SOFTPLUS=bool(dt_softplus), L=L,
+    )
+    wrap_triton(_ssd_states_kernel)[(bsz * nheads * n_sp * n_sn,)](
+        x, Bm, h0, dtw, cum, prev, final,
+        seqlen, nheads, hdim, dstate, nch, n_sp, n_sn, hpg,
+        x.stride(0), x.stride(1), x.stride(2), x.stride(3),
         Bm.stride(0), Bm.stride(1), Bm.stride(2), Bm.stride(3),
-        HAS_DB=dt_bias is not None, SOFTPLUS=bool(dt_softplus), L=L, BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn,
-        IEEE=ieee, num_warps=cfg["state_num_warps"], num_stages=cfg["num_stages"],
+        h0.stride(0), h0.stride(1), h0.stride(2), h0.stride(3),
+        HAS_H0=initial_states is not None, L=L, BLOCK_P=sp, BLOCK_N=sn, IEEE=ieee,
+        num_warps=cfg["state_num_warps"], num_stages=cfg["state_num_stages"],
     )
     if use_cb:
         cb = torch.empty(bsz, nch, ngroups, L, L, dtype=torch.float32, device=dev)
@@ -326,13 +316,6 @@ def ssd_scan_triton(
         )
     else:
         cb = dtw
-    h0 = initial_states if initial_states is not None else final
-    pass_block = min(cfg["PASS_BLOCK"], next_pow2(hdim * dstate))
-    wrap_triton(_ssd_state_pass_kernel)[(triton.cdiv(hdim * dstate, pass_block), bsz * nheads)](
-        states, cum, h0, prev, final, nheads, hdim, dstate, nch,
-        h0.stride(0), h0.stride(1), h0.stride(2), h0.stride(3),
-        HAS_H0=initial_states is not None, L=L, BLOCK=pass_block, num_warps=cfg["pass_num_warps"],
-    )
     zz = z if z is not None else x
     wrap_triton(_ssd_chunk_scan_kernel)[(bsz * nch * n_mblk * nheads * n_pblk,)](
         x, zz, Bm, Cm, D if D is not None else A, dtw, cum, prev, cb, y,
