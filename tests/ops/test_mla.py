@@ -200,8 +200,9 @@ def test_dense_matches_sdpa_where_sdpa_is_defined():
     B, H, T, S = 2, 3, 6, 6
     q_lat, q_rope, lat, krope = _dense_inputs(B, H, T, S)
     q = torch.cat([q_lat, q_rope], -1)
-    k = torch.cat([lat, krope], -1)[:, None].expand(B, H, S, -1)
-    v = lat[:, None].expand(B, H, S, -1)
+    # contiguous K/V for SDPA: its fused CUDA kernels fault on odd row strides (misaligned address)
+    k = torch.cat([lat, krope], -1)[:, None].expand(B, H, S, -1).contiguous()
+    v = lat[:, None].expand(B, H, S, -1).contiguous()
     bool_mask = torch.rand(B, 1, T, S, device=DEV) > 0.3
     bool_mask[..., 0] = True
     float_mask = torch.where(bool_mask, 0.0, torch.finfo(torch.float32).min)

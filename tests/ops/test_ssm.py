@@ -2,6 +2,7 @@
 under fake tensors on both paths (no value-dependent code), one torch.compile on the CPU, and a compile of
 every kernel for sm_90 through Triton's CUDA backend + ptxas (catches what the interpreter accepts but a GPU
 compile rejects)."""
+import inspect
 import os
 import subprocess
 import sys
@@ -32,12 +33,20 @@ def close(a, b, tol=1e-5):
     assert err <= tol, f"max error {err:.3e} (tol {tol:.0e})"
 
 
+def hf_gated_norm(hidden: int, group_size: int, eps: float):
+    """HF's gated norm and the group size it applies: transformers 5.1x normalises the whole row."""
+    if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters:
+        return MambaRMSNormGated(hidden, group_size, eps=eps), group_size
+    return MambaRMSNormGated(hidden, eps=eps), hidden
+
+
 @pytest.mark.parametrize("shape,gs,gate", [((2, 7, 48), 16, True), ((5, 40), 40, False), ((3, 2, 1, 24), 6, True)])
 def test_gated_rms_norm(shape, gs, gate):
     g = torch.Generator().manual_seed(gs)
     x = rnd(*shape, g=g)
     z = rnd(*shape[:-1], shape[-1] + 8, g=g)[..., 8:] if gate else None  # a strided split, like HF's gate
-    norm = MambaRMSNormGated(shape[-1], gs, eps=1e-5).to(DEV)
+    norm, gs = hf_gated_norm(shape[-1], gs, 1e-5)
+    norm = norm.to(DEV)
     norm.weight.data = rnd(shape[-1], g=g)
     y_hf = norm(x, z)
     close(ref.gated_rms_norm_ref(x, z, norm.weight, 1e-5, gs), y_hf, 0)
@@ -49,10 +58,10 @@ def test_gated_rms_norm(shape, gs, gate):
 def test_gated_rms_norm_ref_dtypes_vs_hf(xd, wd):
     g = torch.Generator().manual_seed(1)
     x, z = rnd(3, 32, g=g).to(xd), rnd(3, 32, g=g).to(xd)
-    norm = MambaRMSNormGated(32, 16, eps=1e-6)
+    norm, gs = hf_gated_norm(32, 16, 1e-6)
     norm.weight.data = torch.randn(32, generator=g).to(wd)
     norm = norm.to(DEV)
-    y_hf, y = norm(x, z), ref.gated_rms_norm_ref(x, z, norm.weight, 1e-6, 16)
+    y_hf, y = norm(x, z), ref.gated_rms_norm_ref(x, z, norm.weight, 1e-6, gs)
     assert y.dtype == y_hf.dtype
     close(y, y_hf, 0)
 
