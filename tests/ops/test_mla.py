@@ -3,6 +3,7 @@ torch reference (Triton through the interpreter on CPU, fp32), the reference aga
 and the absorbed drop-in against tiny HF DeepseekV2/V3 models (prefill + decode with a DynamicCache)."""
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime.ops.mla import kernels, reference as ref
 from runtime.ops.mla import mla_attention_dense, mla_cache_write, mla_decode, mla_prefill
@@ -208,7 +209,9 @@ def test_dense_matches_sdpa_where_sdpa_is_defined():
     float_mask = torch.where(bool_mask, 0.0, torch.finfo(torch.float32).min)
     float_mask[0, 0, 2] = torch.finfo(torch.float32).min                  # finite fully-biased row: uniform
     for mask, causal in [(None, True), (None, False), (bool_mask, False), (float_mask, False)]:
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=SCALE)
+        with sdpa_kernel(SDPBackend.MATH):  # the fused CUDA backends zero the finite fully-biased row
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                    scale=SCALE)
         got = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, krope, mask, causal, SCALE)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
