@@ -29,7 +29,6 @@ def main() -> int:
     import triton
     H, P, N, G = args.heads, 64, 128, 1
     base = copy.deepcopy(kernels.CONFIG["ssd"])
-    base.update(CHUNK=128, BLOCK_K=32)  # the scan kernel's best from the last sweep, while the states kernel is swept
     # coordinate descent: the states kernel(s) first at the shipped scan config, then the scan kernel at the best
     # states config (each phase's grid is small enough for one device call)
     states_grid = [
