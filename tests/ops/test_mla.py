@@ -70,7 +70,7 @@ def test_cache_write_all_skipped(impl):
 
 
 # ---------------------------------------------------------------------------------------------- decode
-@pytest.fixture(params=[1024, 16], ids=["window1k", "window16"])
+@pytest.fixture(params=[1024, 16], ids=["one_window", "many_windows"])
 def window_keys(request, monkeypatch):
     """Block ids are read a window at a time: small windows cross many window edges (unaligned with odd pages)."""
     monkeypatch.setitem(kernels.CONFIGS, "window_keys", request.param)

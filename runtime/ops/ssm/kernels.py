@@ -23,7 +23,8 @@ CONFIG: dict[str, dict] = {
     # SSD chunked scan. CHUNK = 0: use the caller's chunk_size (rounded up to a power of two, clamped to
     # [16, 256]); results do not depend on it beyond rounding. BLOCK_M/BLOCK_K: output/source sub-blocks
     # inside a chunk (<= chunk). BLOCK_P: head-dim block. STATE_BLOCK_P/N: state tile of one program of the
-    # sequential states kernel, N halved (down to 32) while fewer than STATE_MIN_PROGRAMS programs would run.
+    # sequential states kernel, N halved (down to 32) while fewer than STATE_MIN_PROGRAMS programs would run,
+    # then halved until num_stages staged x and B tiles take at most STATE_SMEM bytes (fp32 or 256-step chunks).
     # CB: precompute C.B^T per (chunk, group) once and share it across heads. Tuned on the H200 at 128 heads,
     # T = 32K (bench/ssd_sweep.py, 2026-11-29).
     "ssd": {
@@ -35,6 +36,7 @@ CONFIG: dict[str, dict] = {
         "STATE_BLOCK_P": 64,
         "STATE_BLOCK_N": 128,
         "STATE_MIN_PROGRAMS": 128,
+        "STATE_SMEM": 160 * 1024,
         "num_warps": 4,
         "num_stages": 2,
         "state_num_warps": 8,

@@ -288,10 +288,15 @@ def ssd_scan_triton(
 
     sp = min(cfg["STATE_BLOCK_P"], max(next_pow2(hdim), 16))
     sn = min(cfg["STATE_BLOCK_N"], bn)
-    n_sp = triton.cdiv(hdim, sp)
-    while sn > 32 and bsz * nheads * n_sp * triton.cdiv(dstate, sn) < cfg["STATE_MIN_PROGRAMS"]:
+    while sn > 32 and bsz * nheads * triton.cdiv(hdim, sp) * triton.cdiv(dstate, sn) < cfg["STATE_MIN_PROGRAMS"]:
         sn //= 2  # one program per SM at least: the states kernel is sequential over the chunks
-    n_sn = triton.cdiv(dstate, sn)
+    stages = cfg["state_num_stages"]
+    while stages * (sp + sn) * L * x.element_size() > cfg["STATE_SMEM"] and max(sp, sn) > 16:
+        if sn >= sp:  # the staged x [P, L] and B [L, N] tiles must fit shared memory (fp32, long chunks)
+            sn //= 2
+        else:
+            sp //= 2
+    n_sp, n_sn = triton.cdiv(hdim, sp), triton.cdiv(dstate, sn)
     wrap_triton(_ssd_dt_kernel)[(bsz * nheads * nch,)](
         dt, A, db, dtw, cum, seqlen, nheads, nch, *_dt_limits(dt_min, dt_max),
         dt.stride(0), dt.stride(1), dt.stride(2),
@@ -304,7 +309,7 @@ def ssd_scan_triton(
         Bm.stride(0), Bm.stride(1), Bm.stride(2), Bm.stride(3),
         h0.stride(0), h0.stride(1), h0.stride(2), h0.stride(3),
         HAS_H0=initial_states is not None, L=L, BLOCK_P=sp, BLOCK_N=sn, IEEE=ieee,
-        num_warps=cfg["state_num_warps"], num_stages=cfg["state_num_stages"],
+        num_warps=cfg["state_num_warps"], num_stages=stages,
     )
     if use_cb:
         cb = torch.empty(bsz, nch, ngroups, L, L, dtype=torch.float32, device=dev)
