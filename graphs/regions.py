@@ -103,10 +103,20 @@ def view_base(node: fx.Node) -> fx.Node:
         if node.op == "call_method" and node.target in _VIEW_METHODS and isinstance(node.args[0], fx.Node):
             node = node.args[0]
         elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
-                and isinstance(node_value(node.args[0]), torch.Tensor):
+                and isinstance(node_value(node.args[0]), torch.Tensor) and _basic_index(node.args[1]):
             node = node.args[0]
         else:
             return node
+
+
+def _basic_index(idx) -> bool:
+    """Whether ``x[idx]`` is a view: ints, slices, None and ``...`` only. A tensor or list index (advanced
+    indexing, HF's ``hidden_states[token_idx]``) gathers into a new tensor, so writes to it stay local."""
+    if isinstance(idx, tuple):
+        return all(_basic_index(i) for i in idx)
+    if isinstance(idx, fx.Node):
+        return not isinstance(node_value(idx), torch.Tensor)
+    return idx is None or idx is Ellipsis or isinstance(idx, (int, slice, torch.SymInt))
 
 
 def find_regions(gm: fx.GraphModule, index: ModuleIndex,

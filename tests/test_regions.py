@@ -120,3 +120,23 @@ def test_unmapped_region_output_is_refused():
     weight = next(n for n in r.inputs if n.op == "placeholder")
     with pytest.raises(RewriteError, match="has no replacement"):
         apply_rewrite(gm, r.nodes, Rewrite(torch.ops.hybrid_test.rms_norm.default, (weight, weight, 1e-6), {}, {}))
+
+
+
+def test_view_base_stops_at_gathers():
+    """Writes into ``x[tensor]`` (a gather, as HF's grouped experts do before masked_fill_) stay local; writes
+    through basic indexing and views reach the base tensor."""
+    import operator
+
+    from graphs.regions import view_base
+
+    g = fx.Graph()
+    x, idx = g.placeholder("x"), g.placeholder("idx")
+    x.meta["val"], idx.meta["val"] = torch.empty(4, 3), torch.tensor([0, 2])
+    gathered = g.call_function(operator.getitem, (x, idx))
+    sliced = g.call_function(operator.getitem, (x, (slice(1, None), None)))
+    sliced.meta["val"] = torch.empty(3, 1, 3)
+    view = g.call_method("view", (sliced, -1))
+    assert view_base(gathered) is gathered
+    assert view_base(g.call_function(operator.getitem, (x, [0, 2]))) is not x
+    assert view_base(view) is x
