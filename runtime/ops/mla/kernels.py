@@ -39,8 +39,8 @@ LOG2E = 1.4426950408889634
 CONFIGS = {
     # H <= 32, memory-bound: one tile holds every head so each latent byte is read from HBM once.
     # per_sm: programs resident per SM (sets the split count, see choose_num_splits). Tuned on the H200
-    # (bench/mla.py --tune, 2026-11-29, windowed block ids): 3 stages (a key tile loads while the other is used) beat 2 by 9%;
-    # 32-key tiles with 4 warps beat 64 keys / 8 warps by 9%.
+    # (bench/mla.py --tune, 2026-11-29, windowed block ids): 3 stages (a key tile loads while the other is
+    # used) beat 2 by 9%; 32-key tiles with 4 warps beat 64 keys / 8 warps by 9%.
     "decode_small_h": dict(block_h=16, block_n=32, num_warps=4, num_stages=3, per_sm=2),
     # H > 32, tensor-core-bound: 64 heads per tile so the dots are wgmma (M=64); q sits in smem, the
     # [64, L] fp32 accumulator takes 128 regs/thread over 8 warps. Tuned on the H200 as above: 64 keys x 2
@@ -237,7 +237,8 @@ def _mla_attn_kernel(
     if PAGE > 0:
         # Windows of WIN pages: the window's block ids are loaded once, and each key tile picks its rows from
         # them in registers (tl.gather). Key addresses then depend on no load inside the inner loop, so the
-        # pipeliner keeps num_stages - 1 tiles in flight; a block-table load per tile would serialise them.
+        # pipeliner double-buffers the key tiles (num_stages >= 3); a block-table load per tile left them
+        # single-buffered, every tile waiting out its own load.
         w0 = k_lo
         while w0 < k_hi:
             page0 = w0 // PAGE

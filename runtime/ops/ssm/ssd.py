@@ -6,7 +6,7 @@ Prefill runs in chunks of L steps (L is ours to pick: the result does not depend
   2. ``_ssd_states_kernel`` per (b, head, P-block, N-block), sequential over the chunks: stores each chunk's
      start state (x.dtype, for step 4's dot), then s = exp(total) s + x^T (B exp(total - cum) dt) with one
      tl.dot; the final state stays fp32. Chunk states never go to memory in fp32, and the loop body holds
-     only loads that do not depend on s, so the pipeliner keeps num_stages - 1 chunks in flight.
+     only loads that do not depend on s, so the pipeliner loads the next chunk while this one is used.
   3. ``_ssd_cb_kernel`` (CONFIG["ssd"]["CB"]) per (b, chunk, group): C.B^T [L, L] once, shared by the
      group's heads instead of recomputed by each head in step 4.
   4. ``_ssd_chunk_scan_kernel`` per (b, chunk, M-block, head, P-block):
@@ -238,6 +238,20 @@ def _dt_limits(dt_min: float, dt_max: float) -> tuple[float, float]:
     return max(float(dt_min), -big), min(float(dt_max), big)
 
 
+def _states_tile(rows: int, hdim: int, dstate: int, L: int, esize: int, cfg: dict) -> tuple[int, int]:
+    """(P, N) state tile of one ``_ssd_states_kernel`` program for ``rows`` = B * H sequences of heads."""
+    sp = min(cfg["STATE_BLOCK_P"], max(next_pow2(hdim), 16))
+    sn = min(cfg["STATE_BLOCK_N"], max(next_pow2(dstate), 16))
+    while sn > 32 and rows * triton.cdiv(hdim, sp) * triton.cdiv(dstate, sn) < cfg["STATE_MIN_PROGRAMS"]:
+        sn //= 2  # one program per SM at least: the kernel is sequential over the chunks
+    while cfg["state_num_stages"] * (sp + sn) * L * esize > cfg["STATE_SMEM"] and max(sp, sn) > 16:
+        if sn >= sp:  # the staged x [P, L] and B [L, N] tiles must fit shared memory (fp32, long chunks)
+            sn //= 2
+        else:
+            sp //= 2
+    return sp, sn
+
+
 def _chunk_len(chunk_size: int) -> int:
     want = CONFIG["ssd"]["CHUNK"] or chunk_size
     return min(max(next_pow2(want), 16), 256)
@@ -286,16 +300,7 @@ def ssd_scan_triton(
     db = dt_bias if dt_bias is not None else A
     h0 = initial_states if initial_states is not None else final
 
-    sp = min(cfg["STATE_BLOCK_P"], max(next_pow2(hdim), 16))
-    sn = min(cfg["STATE_BLOCK_N"], bn)
-    while sn > 32 and bsz * nheads * triton.cdiv(hdim, sp) * triton.cdiv(dstate, sn) < cfg["STATE_MIN_PROGRAMS"]:
-        sn //= 2  # one program per SM at least: the states kernel is sequential over the chunks
-    stages = cfg["state_num_stages"]
-    while stages * (sp + sn) * L * x.element_size() > cfg["STATE_SMEM"] and max(sp, sn) > 16:
-        if sn >= sp:  # the staged x [P, L] and B [L, N] tiles must fit shared memory (fp32, long chunks)
-            sn //= 2
-        else:
-            sp //= 2
+    sp, sn = _states_tile(bsz * nheads, hdim, dstate, L, x.element_size(), cfg)
     n_sp, n_sn = triton.cdiv(hdim, sp), triton.cdiv(dstate, sn)
     wrap_triton(_ssd_dt_kernel)[(bsz * nheads * nch,)](
         dt, A, db, dtw, cum, seqlen, nheads, nch, *_dt_limits(dt_min, dt_max),
@@ -309,7 +314,7 @@ def ssd_scan_triton(
         Bm.stride(0), Bm.stride(1), Bm.stride(2), Bm.stride(3),
         h0.stride(0), h0.stride(1), h0.stride(2), h0.stride(3),
         HAS_H0=initial_states is not None, L=L, BLOCK_P=sp, BLOCK_N=sn, IEEE=ieee,
-        num_warps=cfg["state_num_warps"], num_stages=stages,
+        num_warps=cfg["state_num_warps"], num_stages=cfg["state_num_stages"],
     )
     if use_cb:
         cb = torch.empty(bsz, nch, ngroups, L, L, dtype=torch.float32, device=dev)
