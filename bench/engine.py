@@ -142,7 +142,12 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> No
     gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
     tag(f"profile B={prompts.shape[0]}: wall {wall:.3f} ms/step (profiled), GPU kernels {gpu:.3f} ms/step")
     print(events.table(sort_by="cpu_time_total", row_limit=30))
-    print(events.table(sort_by="self_device_time_total", row_limit=15))
+    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    print(f"{'us/step':>8} {'calls/step':>10} {'us/call':>8}  kernel (all {sum(e.count for e in kernels) / steps:.0f} "
+          f"device ops per step)")
+    for e in kernels:
+        per_step = e.self_device_time_total / steps
+        print(f"{per_step:8.1f} {e.count / steps:10.1f} {e.self_device_time_total / e.count:8.2f}  {e.key[:90]}")
 
 
 def agreeing_prefix(a: list[list[int]], b: list[list[int]]) -> float:

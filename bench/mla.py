@@ -409,6 +409,38 @@ def table(rows: list, cache_info: dict, tuned: dict) -> str:
     return "\n".join(out)
 
 
+def split_sweep(args) -> None:
+    """Where the split-KV model (kernels.choose_num_splits) leaves time at small grids: every power-of-two
+    split count at 16 heads for the engine's small-batch decode shapes, with CUDA graphs."""
+    dev, dtype, sh, H = "cuda", torch.bfloat16, FULL, 16
+    cfg = kernels.decode_config(H)
+    L, R, P = sh["L"], sh["R"], sh["P"]
+    rows = []
+    for B, S in ((1, 1024), (1, 4096), (8, 1024), (8, 4096), (32, 1024), (64, 1024)):
+        cache, bt, seq = make_paged(B, S, sh, dev, dtype)
+        g = torch.Generator(device=dev).manual_seed(1)
+        q_lat = torch.randn(B, H, L, device=dev, generator=g).to(dtype)
+        q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
+        scale = (P + R) ** -0.5
+        auto = kernels.choose_num_splits(B, bt.shape[1] * sh["block"], cfg["block_n"], cfg.get("per_sm", 1))
+        want = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 1)
+        times = {}
+        s = 1
+        while s <= min(128, S // cfg["block_n"]):
+            got = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, s)
+            assert err(got, want) < args.tol, (B, S, s, err(got, want))
+            times[s] = time_ms(lambda: kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, s))[0]
+            s *= 2
+        best = min(times, key=times.get)
+        rows.append(dict(B=B, S=S, auto=auto, times_us={k: round(v * 1e3, 2) for k, v in times.items()}, best=best))
+        log(f"B={B:3d} S={S:5d}: auto {auto} ({times.get(auto, float('nan')) * 1e3:.1f} us), best {best} "
+            f"({times[best] * 1e3:.1f} us); " + " ".join(f"{k}:{v * 1e3:.1f}" for k, v in times.items()))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                  triton=triton.__version__, config=cfg, split_sweep=rows), indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter or GPU), seconds")
@@ -419,9 +451,14 @@ def main() -> None:
     ap.add_argument("--heads", default=None, help="comma list, e.g. 16 or 16,128")
     ap.add_argument("--tol", type=float, default=5e-2, help="max |err| / max |ref| allowed (bf16)")
     ap.add_argument("--compile-check", action="store_true", help="compile for sm_90 on any machine, print resources")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="16 heads, small batches: time every split count against the automatic one, then stop")
     args = ap.parse_args()
     if args.compile_check:
         compile_check()
+        return
+    if args.split_sweep:
+        split_sweep(args)
         return
     gpu = torch.cuda.is_available()
     smoke = args.smoke or not gpu
