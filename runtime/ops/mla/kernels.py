@@ -53,9 +53,11 @@ CONFIGS = {
     # paged keys: block ids are read a window of this many keys at a time (one load per window, not per tile)
     "window_keys": 1024,
     # split-KV (choose_num_splits): keep >= min_tokens keys per split so the fp32 partials (H*L*4 bytes per
-    # split, mostly L2-resident) stay small next to the keys they summarise; overhead and merge_launch are
-    # in units of keys read by one program (setup + partial write; the merge kernel's launch).
-    "split": dict(num_sms=132, min_tokens=256, max_splits=64, overhead=64, merge_launch=128),
+    # split, mostly L2-resident) stay small next to the keys they summarise; overhead, merge_launch and
+    # merge_per_split are in units of keys read by one program (setup + partial write; the merge kernel's
+    # launch; its serial read of one more partial). Fitted to bench/mla.py --split-sweep on the H200
+    # (2026-11-30): at B <= 8 the step is one short wave, and 16-32 splits of 64-128 keys beat 4 of 256 by 30%.
+    "split": dict(num_sms=132, min_tokens=64, max_splits=64, overhead=64, merge_launch=128, merge_per_split=6),
 }
 
 
@@ -86,7 +88,8 @@ def choose_num_splits(num_programs, max_len, block_n: int, per_sm: int = 2) -> i
     def cost(s: int) -> float:
         waves = triton.cdiv(progs * s, slots)
         keys = triton.cdiv(chunks, s) * block_n
-        merge = 0 if s == 1 else c["merge_launch"] + triton.cdiv(progs * s, slots) * c["overhead"]
+        merge = 0 if s == 1 else (c["merge_launch"] + triton.cdiv(progs * s, slots) * c["overhead"]
+                                  + s * c["merge_per_split"])
         return waves * (keys + c["overhead"]) + merge
 
     return min(range(1, most + 1), key=lambda s: (cost(s), s))
