@@ -105,8 +105,10 @@ def test_decode_strided_queries_and_op(monkeypatch):
 
 def test_choose_num_splits_is_shape_only():
     assert kernels.choose_num_splits(1024, 16384, 64) == 1                  # enough programs already
-    assert kernels.choose_num_splits(1, 16384, 64) == 64                    # capped by max_splits
-    assert kernels.choose_num_splits(8, 1024, 64) == 4                      # capped by min_tokens per split
+    assert kernels.choose_num_splits(1, 1 << 20, 64) == 64                  # capped by max_splits
+    least = kernels.CONFIGS["split"]["min_tokens"]                          # no split holds fewer keys
+    assert all(s // kernels.choose_num_splits(b, s, 32) >= least for b in (1, 3, 8) for s in (64, 200, 512, 4096))
+    assert kernels.choose_num_splits(1, 1024, 32) == 16                     # one short wave: many short splits
     assert kernels.choose_num_splits(8, 0, 64) == 1
     # the last wave stays full: 128 sequences x 2 splits = 256 programs fit 132 SMs x 2 at once; 3 would not
     assert kernels.choose_num_splits(128, 16384, 64, per_sm=2) == 2
