@@ -86,7 +86,7 @@ def test_decode_matches_reference(L, R, H, block_size, block_n, window_keys):
     want = ref.mla_decode_ref(q_lat, q_rope, cache, bt, sl, SCALE)
     assert torch.isfinite(want).all() and (want[3] == 0).all()          # seq_len 0 -> zeros
     outs = [kernels.mla_decode_triton(q_lat, q_rope, cache, bt, sl, SCALE, num_splits=ns,
-                                      config={"block_n": block_n}) for ns in (1, 3, 0)]
+                                      config={"block_n": block_n}) for ns in (1, 3, 0, 19)]
     for got in outs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # split == no split

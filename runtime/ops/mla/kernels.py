@@ -49,7 +49,7 @@ CONFIGS = {
     # prefill / dense (T > 1): BQ query tokens x BH heads = block_m rows per tile (wgmma M=64)
     "prefill": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "dense": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
-    "merge": dict(num_warps=4),
+    "merge": dict(num_warps=4, block_s=16),  # block_s: partials per load ([16, 512] fp32 over 4 warps)
     # paged keys: block ids are read a window of this many keys at a time (one load per window, not per tile)
     "window_keys": 1024,
     # split-KV (choose_num_splits): keep >= min_tokens keys per split so the fp32 partials (H*L*4 bytes per
@@ -282,27 +282,32 @@ def _mla_attn_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr):
-    """One program per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
-    Splits with lse = -inf (no keys) are skipped without reading their (unwritten) partials."""
+def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    """One program per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), BLOCK_S splits
+    per load (one split at a time made 2 x NUM_SPLITS dependent round trips). Splits with lse = -inf (no
+    keys) are skipped without reading their (unwritten) partials."""
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
     offs = tl.arange(0, BLOCK_L)
+    offs_s = tl.arange(0, BLOCK_S)
     base = pid.to(tl.int64) * NUM_SPLITS
-    m = tl.load(PLSE + base)
-    for s in range(1, NUM_SPLITS):
-        m = tl.maximum(m, tl.load(PLSE + base + s))
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
     m_use = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     den = tl.sum(acc, 0)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(PLSE + base + s)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
         w = tl.exp2(lse - m_use)
-        live = (tl.zeros([BLOCK_L], dtype=tl.float32) + lse) > float("-inf")
-        po = tl.load(PO + (base + s) * L + offs, mask=(offs < L) & live, other=0.0)
-        acc += w * po
-        den += w
+        live = lse > float("-inf")
+        po = tl.load(PO + (base + s0 + offs_s)[:, None] * L + offs[None, :],
+                     mask=live[:, None] & (offs < L)[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * po, 0)
+        den += tl.sum(w, 0)
     den = tl.where(den == 0.0, 1.0, den)
     b = (n // T_OUT).to(tl.int64)
     t = (n % T_OUT).to(tl.int64)
@@ -344,7 +349,8 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
     if split:
         wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
             po, plse, out, H, L, num_splits, t_out, *_out_strides(out, mode),
-            BLOCK_L=_pow2(L), num_warps=CONFIGS["merge"]["num_warps"],
+            BLOCK_L=_pow2(L), BLOCK_S=min(triton.next_power_of_2(num_splits), CONFIGS["merge"]["block_s"]),
+            num_warps=CONFIGS["merge"]["num_warps"],
         )
     return out
 
