@@ -188,7 +188,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("vocab", [102400, 50280, 50257, 32000, 8191])  # 128, 120, 29, 128 chunks; one pass
+@pytest.mark.parametrize("vocab", [102400, 50280, 50257, 32000, 8191])
 def test_greedy_ids_equal_argmax_first_maximum(vocab, device):
     from runtime.engine.sampler import greedy_ids
     g = torch.Generator().manual_seed(vocab)

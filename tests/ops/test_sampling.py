@@ -1,0 +1,34 @@
+"""argmax_triton (greedy decoding) vs torch.argmax: first maximal index, ties within and across chunks, strided
+rows, vocabularies that are not multiples of the block; CPU: the Triton interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.ops.sampling import argmax_triton
+from runtime.ops.sampling import kernels
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("vocab", [102400, 50280, 8191, 1000, 1])
+def test_argmax_equals_torch_first_maximum(vocab, batch):
+    g = torch.Generator().manual_seed(vocab + batch)
+    logits = torch.randn(batch, vocab, generator=g).to(DEV, torch.bfloat16)  # bf16: many exact ties
+    logits[0] = 0.0  # all tied: index 0
+    if batch > 1 and vocab > 3:
+        logits[1, vocab // 3] = logits[1, vocab - 1] = 99.0  # a tie across chunks: the earlier one
+        logits[2, :] = float("-inf")
+        logits[2, vocab - 2] = -1e30                        # the max in the last chunk, not at its start
+    want = logits.argmax(-1)
+    assert torch.equal(argmax_triton(logits), want)
+    assert torch.equal(argmax_triton(logits.float()), want)
+
+
+def test_argmax_strided_rows_and_many_rows(monkeypatch):
+    monkeypatch.setattr(kernels, "BLOCK", 64)  # many chunks and blocks per chunk on a small vocabulary
+    base = torch.randn(70, 3, 999).to(DEV)
+    rows = base[:, 1]                            # row stride 3 * 999
+    assert torch.equal(argmax_triton(rows), rows.argmax(-1))
+    assert argmax_triton(rows[:0]).shape == (0,)
