@@ -1,8 +1,8 @@
 """Triton kernels for mixture-of-experts: routing, token->expert alignment, grouped expert GEMMs, combine.
 
 Pipeline of ``moe_triton`` (no host sync, every size a function of shapes only: CUDA-graph safe):
-  1. ``_route_kernel``: router logits (in the kernel for few tokens and small routers, else ``F.linear`` before
-     it), scores, bias, group limit, top-k, renorm, scale.
+  1. router logits (``_router_gemm_kernel`` for few tokens and small routers, else ``F.linear``), then
+     ``_route_kernel``: scores, bias, group limit, top-k, renorm, scale.
   2. ``align_triton``: pairs (t, j) sorted by expert, each expert's segment padded to a multiple of BM
      (padding = sentinel T*k); ``block_expert_ids`` names each BM-row block's expert.
   3. ``_gate_up_kernel``: per (BM block, BN tile of I): gate and up tiles of the same expert in one program,
@@ -153,13 +153,17 @@ def _argmax_first(v, cols, EP: tl.constexpr):
 
 
 @triton.jit
-def _router_logits(x_ptr, rw_ptr, rows, rmask, cols, cmask, H, stride_xt, stride_xh, stride_re, stride_rh,
-                   BLOCK_T: tl.constexpr, EP: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   IEEE: tl.constexpr, ROUND: tl.constexpr):
-    """[BLOCK_T, EP] fp32 router logits x @ w.T, both operands in DOT_DTYPE (bf16 x bf16 products are exact
-    in the fp32 accumulator, so this is F.linear(x.float(), w.float()) up to summation order); ROUND: then
-    rounded to x's dtype, as F.linear(x, w.to(x.dtype)) returns it."""
-    acc = tl.zeros([BLOCK_T, EP], dtype=tl.float32)
+def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, stride_re, stride_rh,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        IEEE: tl.constexpr, ROUND: tl.constexpr):
+    """logits [T, E] fp32 = x @ w.T for one [BLOCK_T, BLOCK_E] tile, both operands in DOT_DTYPE (bf16 x bf16
+    products are exact in the fp32 accumulator: F.linear(x.float(), w.float()) up to summation order); ROUND:
+    then rounded to x's dtype, as F.linear(x, w.to(x.dtype)) returns it."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    cmask = cols < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     ks = tl.arange(0, BK)
     for k0 in range(0, H, BK):
         kk = k0 + ks
@@ -171,31 +175,23 @@ def _router_logits(x_ptr, rw_ptr, rows, rmask, cols, cmask, H, stride_xt, stride
         acc = _mma(xt, tl.trans(wt), acc, IEEE)
     if ROUND:
         acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return acc
+    tl.store(out_ptr + rows[:, None] * E + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le, scale,
-                  rw_ptr, H, stride_re, stride_rh,
                   E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                   METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-                  FROM_X: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                  ROUND: tl.constexpr):
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
     # METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk
-    # FROM_X: logits_ptr is the block input x [T, H] and the router GEMM runs here (rw_ptr = router weight [E, H])
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     rmask = rows < T
     cmask = cols < E
     ninf = float("-inf")
-    if FROM_X:
-        x = _router_logits(logits_ptr, rw_ptr, rows, rmask, cols, cmask, H, stride_lt, stride_le, stride_re,
-                           stride_rh, BLOCK_T, EP, BK, DOT_DTYPE, IEEE, ROUND)
-    else:
-        x = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :] * stride_le,
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :] * stride_le,
+                mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     x = tl.where(cmask[None, :], x, ninf)
     if METHOD == 2:
         score = 1.0 / (1.0 + tl.exp(-x))
@@ -282,23 +278,23 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str
     if T == 0:
         return weights, ids
     EP = triton.next_power_of_2(E)
-    block_t = max(2, min(32, 2048 // EP))
+    # few tokens: a small tile in one warp (its reductions stay in the warp: 2x faster at decode)
+    block_t = max(2, min(32, 2048 // EP, _pow2_at_least(bucket_for(T))))
     grouped = method.endswith("group_topk")
     if bias is not None:
         assert bias.shape == (E,), f"bias must be [E]={E}, got {tuple(bias.shape)}"
     _launch(_route_kernel)[(triton.cdiv(T, block_t),)](
         logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0), logits.stride(1),
-        float(scale), logits, 0, 0, 0, E=E, EP=EP, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)),
-        METHOD=_METHOD_ID[method], RENORM=bool(renormalize), HAS_BIAS=bias is not None,
-        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1, BLOCK_T=block_t,
-        FROM_X=False, BK=16, DOT_DTYPE=tl.float32, IEEE=False, ROUND=False, num_warps=4)
+        float(scale), E=E, EP=EP, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)), METHOD=_METHOD_ID[method],
+        RENORM=bool(renormalize), HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
+        TOPK_GROUP=topk_group if grouped else 1, BLOCK_T=block_t, num_warps=max(1, min(4, block_t * EP // 512)))
     return weights, ids
 
 
-#: router GEMMs fused into the route kernel up to this many tokens and this many weight elements (E * H):
-#: one program per 16 tokens reads the whole router weight, so it pays only when few programs run and the
-#: weight is small (DeepSeek-V2-Lite 64 x 2048: 256 KB). It replaces up to four kernels per MoE layer at decode
-#: (weight and x casts to fp32, cuBLAS GEMV + its reduction).
+#: router GEMM in Triton (then the route kernel) up to this many tokens and weight elements (E * H): one
+#: kernel of [16 tokens x 16 experts] tiles over the whole H, in place of the fp32 casts of x and of the weight
+#: and cuBLAS's GEMV + reduction (4 kernels, ~10 us per MoE layer at decode on the H200). Larger T or routers
+#: (DeepSeek-V3: 256 x 7168) keep cuBLAS.
 FUSED_ROUTER_MAX_T = 64
 FUSED_ROUTER_MAX_WEIGHT = 1 << 20
 
@@ -307,37 +303,24 @@ def fuse_router(T, E: int, H: int) -> bool:
     return bucket_for(T) <= FUSED_ROUTER_MAX_T and E * H <= FUSED_ROUTER_MAX_WEIGHT
 
 
-def route_from_x_triton(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor | None, *, router_fp32: bool,
-                        method: str, top_k: int, renormalize: bool, scale: float, n_group: int = 1,
-                        topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H], router weight [E, H] -> (weights fp32 [T, k], ids int32 [T, k]): router logits as
-    reference.router_logits computes them, then route_triton's routing, in one kernel."""
+def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: bool) -> torch.Tensor:
+    """x [T, H], router weight [E, H] -> fp32 logits [T, E] as reference.router_logits computes them."""
     T, H = x.shape
     E = int(router_w.shape[0])
-    top_k, n_group, topk_group = int(top_k), int(n_group), int(topk_group)
-    check_route_args(E, method, top_k, n_group, topk_group)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0:
-        return weights, ids
+        return logits
     if router_fp32:  # F.linear(x.float(), w.float()): 16-bit operands of one dtype multiply exactly in fp32
-        wide = x.dtype == torch.float32 or router_w.dtype != x.dtype
-        dot_dtype = torch.float32 if wide else x.dtype
+        dot_dtype = torch.float32 if x.dtype == torch.float32 or router_w.dtype != x.dtype else x.dtype
     else:  # F.linear(x, w.to(x.dtype)), rounded to x.dtype
         dot_dtype = x.dtype
     if _cast_f32(dot_dtype):
         dot_dtype = torch.float32
-    EP = max(16, triton.next_power_of_2(E))
-    grouped = method.endswith("group_topk")
-    _launch(_route_kernel)[(triton.cdiv(T, 16),)](
-        x, bias if bias is not None else x, weights, ids, T, x.stride(0), x.stride(1), float(scale),
-        router_w, H, router_w.stride(0), router_w.stride(1), E=E, EP=EP, TOP_K=top_k,
-        KP=max(2, triton.next_power_of_2(top_k)), METHOD=_METHOD_ID[method], RENORM=bool(renormalize),
-        HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-        BLOCK_T=16, FROM_X=True, BK=max(16, min(128, 8192 // EP)), DOT_DTYPE=_TL_DTYPE[dot_dtype],
-        IEEE=dot_dtype == torch.float32, ROUND=not router_fp32 and x.dtype != torch.float32, num_warps=4,
-        num_stages=3)
-    return weights, ids
+    _launch(_router_gemm_kernel)[(triton.cdiv(T, 16), triton.cdiv(E, 16))](
+        x, router_w, logits, T, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
+        BLOCK_T=16, BLOCK_E=16, BK=128, DOT_DTYPE=_TL_DTYPE[dot_dtype], IEEE=dot_dtype == torch.float32,
+        ROUND=not router_fp32 and x.dtype != torch.float32, num_warps=4, num_stages=4)
+    return logits
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -713,12 +696,11 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tenso
     route = dict(method=method, top_k=top_k, renormalize=renormalize, scale=scale, n_group=n_group,
                  topk_group=topk_group)
     if fuse_router(x.shape[0], router_w.shape[0], x.shape[1]):
-        weights, ids = route_from_x_triton(x, router_w, router_bias, router_fp32=router_fp32, **route)
+        logits = router_logits_triton(x, router_w, router_fp32)
+    elif router_fp32:
+        logits = F.linear(x.float(), router_w.float())
     else:
-        if router_fp32:
-            logits = F.linear(x.float(), router_w.float())
-        else:
-            logits = F.linear(x, router_w.to(x.dtype))
-        weights, ids = route_triton(logits, router_bias, **route)
+        logits = F.linear(x, router_w.to(x.dtype))
+    weights, ids = route_triton(logits, router_bias, **route)
     return experts_triton(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation,
                           config=config)

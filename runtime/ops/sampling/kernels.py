@@ -2,7 +2,7 @@
 
 torch's argmax reduces one row in one thread block (27 us for DeepSeek's 102400 logits on the H200), and a
 max-per-chunk + argmax-of-chunks in torch costs four kernels (~11 us at B=1). Here: ``_argmax_chunks_kernel``
-gives each of B x NCH programs one chunk of a row (its max and the first index holding it), then
+gives each of B x NCH programs one chunk (about one block) of a row (its max and the first index holding it), then
 ``_argmax_rows_kernel`` picks, per row, the first chunk holding the row's max. Result: torch.argmax's
 (first maximal index; NaN logits are not expected from a model and are not special-cased). No host sync,
 sizes from shapes only: CUDA-graph safe. Reference: ``torch.argmax(logits, -1)`` (tests/test_engine.py).
@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..library import size_hint
-
-#: programs per row: about TARGET_PROGRAMS over the batch, at most MAX_CHUNKS; BLOCK logits per load
-TARGET_PROGRAMS, MAX_CHUNKS, BLOCK = 264, 128, 1024
+#: BLOCK logits per load; chunks of one block per program (a loop over a longer chunk runs its loads one after
+#: another: 20 us at B=64 with 4 chunks of 25 blocks per DeepSeek row), at most MAX_CHUNKS per row
+MAX_CHUNKS, BLOCK = 128, 1024
 
 
 @triton.jit
@@ -59,7 +58,7 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
-    nch = max(1, min(MAX_CHUNKS, TARGET_PROGRAMS // max(1, size_hint(B)), triton.cdiv(V, BLOCK)))
+    nch = max(1, min(MAX_CHUNKS, triton.cdiv(V, BLOCK)))
     chunk = triton.cdiv(triton.cdiv(V, nch), BLOCK) * BLOCK
     nch = triton.cdiv(V, chunk)
     vals = torch.empty(B, nch, dtype=torch.float32, device=logits.device)
