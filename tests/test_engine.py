@@ -352,3 +352,31 @@ def test_engine_compile_does_not_recompile_per_token_bucket(name):
         with torch.no_grad(), sdpa_kernel(SDPA_BACKENDS):  # as the runner calls it
             torch.testing.assert_close(fn(ids).logits, model(ids).logits, rtol=1e-3, atol=1e-3)
         assert counters["stats"]["unique_graphs"] == 1, (batch, dict(counters["stats"]))
+
+
+def test_compiled_engine_freezes_weights(monkeypatch):
+    """compile="hybrid" (passes + Inductor) traces the weights as constants (runner._frozen): no graph Inductor
+    compiles takes a parameter as an input, the passes still rewrite every region, and greedy tokens are HF's."""
+    import torch._inductor.compile_fx as cfx
+
+    from compiler import collect
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        seen.append(sum(isinstance(x, torch.nn.Parameter) for x in example_inputs))
+        return real(gm, example_inputs, *args, **kwargs)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    model = zoo.build("deepseek_v2")
+    prompts = PROMPTS[:2]
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
+    torch._dynamo.reset()
+    with collect() as report:
+        outs = Engine(model, compile="hybrid", max_num_seqs=4, block_size=4).generate(
+            prompts, SamplingParams(max_tokens=4))
+    torch._dynamo.reset()
+    assert [o.token_ids for o in outs] == ref
+    assert seen and all(n == 0 for n in seen), seen
+    assert report.results and all(r.status == "rewritten" for r in report.results)

@@ -92,7 +92,8 @@ class ModelRunner:
         install_for_model(model)  # HF's Mamba1 scan as an opaque op from the first trace: no retrace
         # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
-            return torch.compile(model.forward, backend="hybrid", dynamic=True, options={"run_time_configs": True})
+            return _frozen(torch.compile(model.forward, backend="hybrid", dynamic=True,
+                                         options={"run_time_configs": True}))
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
             return torch.compile(model.forward, backend="hybrid", dynamic=True,
                                  options={"inductor": False, "run_time_configs": True})
@@ -348,3 +349,18 @@ class ModelRunner:
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra
+
+
+def _frozen(compiled):
+    """Run ``compiled`` with Inductor's weight freezing: dynamo then traces the parameters as constants (it
+    checks the flag while tracing, so every call sets it), and Inductor folds what depends on weights alone
+    (Mamba's A = -exp(A_log), dtype casts) and concatenates linears that share an input on the GPU (DeepSeek's
+    q_proj + kv_a_proj_with_mqa, the shared expert's gate + up): fewer kernels per decode step. The weights
+    are constants of the compiled graphs: changing them after the engine is built has no effect."""
+    from torch._inductor import config as inductor_config
+
+    def run(*args, **kwargs):
+        with torch.no_grad(), inductor_config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+    return run
+
