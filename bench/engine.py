@@ -187,7 +187,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     if engine is None:
                         tag(f"{name}: engine ({args.compile}), cache {args.cache_mb} MB")
                         engine = Engine(model, cache_memory=args.cache_mb << 20, max_num_seqs=max(args.batches),
-                                        max_prefill_tokens=max(args.prompt, 512), compile=args.compile)
+                                        max_prefill_tokens=max(args.prompt, 512), compile=args.compile,
+                                        freeze_weights=args.freeze_weights)
                     tag(f"{name} {variant} B={b}: warm-up (compiles, records graphs)")
                     engine_generate(engine, prompts, 8)
                     tag(f"{name} {variant} B={b}: {new} tokens")
@@ -247,6 +248,7 @@ def main() -> int:
     ap.add_argument("--cache-mb", type=int, default=4096)
     ap.add_argument("--compile", default="hybrid-cudagraphs")
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
+    ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
     args = ap.parse_args()

@@ -355,7 +355,7 @@ def test_engine_compile_does_not_recompile_per_token_bucket(name):
 
 
 def test_compiled_engine_freezes_weights(monkeypatch):
-    """compile="hybrid" (passes + Inductor) traces the weights as constants (runner._frozen): no graph Inductor
+    """freeze_weights=True: compile="hybrid" traces the weights as constants (runner._frozen): no graph Inductor
     compiles takes a parameter as an input, the passes still rewrite every region, and greedy tokens are HF's."""
     import torch._inductor.compile_fx as cfx
 
@@ -374,7 +374,7 @@ def test_compiled_engine_freezes_weights(monkeypatch):
                for p in prompts]
     torch._dynamo.reset()
     with collect() as report:
-        outs = Engine(model, compile="hybrid", max_num_seqs=4, block_size=4).generate(
+        outs = Engine(model, compile="hybrid", max_num_seqs=4, block_size=4, freeze_weights=True).generate(
             prompts, SamplingParams(max_tokens=4))
     torch._dynamo.reset()
     assert [o.token_ids for o in outs] == ref

@@ -50,7 +50,7 @@ class Pending:
 
 class ModelRunner:
     def __init__(self, model, cache: PagedCache, blocks: BlockAllocator | None, compile: str | None,
-                 bucket_decode: bool, paged_decode: bool):
+                 bucket_decode: bool, paged_decode: bool, freeze_weights: bool = False):
         self.model = model
         self.cache = cache
         self.blocks = blocks
@@ -70,7 +70,7 @@ class ModelRunner:
             attention.register()
             model.config._attn_implementation = attention.NAME
             self.bool_mask = True
-        self.forward = self._compiled(model, compile)
+        self.forward = self._compiled(model, compile, freeze_weights)
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
@@ -84,7 +84,7 @@ class ModelRunner:
         self.wait_s = 0.0  # host time spent waiting for the device (events; sampled batches' reads are not counted)
 
     @staticmethod
-    def _compiled(model, compile: str | None):
+    def _compiled(model, compile: str | None, freeze_weights: bool = False):
         if compile in (None, "none"):
             return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)
@@ -92,8 +92,8 @@ class ModelRunner:
         install_for_model(model)  # HF's Mamba1 scan as an opaque op from the first trace: no retrace
         # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
-            return _frozen(torch.compile(model.forward, backend="hybrid", dynamic=True,
-                                         options={"run_time_configs": True}))
+            compiled = torch.compile(model.forward, backend="hybrid", dynamic=True, options={"run_time_configs": True})
+            return _frozen(compiled) if freeze_weights else compiled
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
             return torch.compile(model.forward, backend="hybrid", dynamic=True,
                                  options={"inductor": False, "run_time_configs": True})
@@ -356,7 +356,10 @@ def _frozen(compiled):
     checks the flag while tracing, so every call sets it), and Inductor folds what depends on weights alone
     (Mamba's A = -exp(A_log), dtype casts) and concatenates linears that share an input on the GPU (DeepSeek's
     q_proj + kv_a_proj_with_mqa, the shared expert's gate + up): fewer kernels per decode step. The weights
-    are constants of the compiled graphs: changing them after the engine is built has no effect."""
+    are constants of the compiled graphs: changing them after the engine is built has no effect.
+    Opt-in (``Engine(freeze_weights=True)``): on the H200 (bench/results/2026-11-30_engine_router_argmax_h200.md)
+    it took DeepSeek-V2-Lite-shape decode from 0.629 to 0.614 ms at B=1 (145 -> 141 kernels) but made the Mamba2
+    shape 5-10% slower (cause not analysed)."""
     from torch._inductor import config as inductor_config
 
     def run(*args, **kwargs):
