@@ -82,8 +82,8 @@ def test_router_logits_triton_matches_reference(T, E, H, dtype, router_fp32):
     torch.testing.assert_close(got, want, **tol)
     if not router_fp32:  # the values are x.dtype values
         assert torch.equal(got, got.to(dtype).float())
-    assert kernels.fuse_router(1, 64, 2048) and not kernels.fuse_router(4096, 64, 2048)
-    assert not kernels.fuse_router(1, 256, 7168)  # DeepSeek-V3's router (3.7 MB) keeps cuBLAS
+    assert kernels.use_router_gemm(1, 64, 2048) and not kernels.use_router_gemm(4096, 64, 2048)
+    assert not kernels.use_router_gemm(1, 256, 7168)  # DeepSeek-V3's router (3.7 MB) keeps cuBLAS
 
 
 # ---------------------------------------------------------------------------------------------- alignment
