@@ -36,7 +36,7 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
     counts = run_pipeline(ctx, opts.passes)
     gm.recompile()
     info = GraphInfo(graph_id, nodes_before, len(gm.graph.nodes), _describe_inputs(example_inputs), counts,
-                     "inductor" if opts.inductor else "eager")
+                     "inductor" if opts.inductor else "eager", list(ctx.notes))
     publish(ctx.results, info)
     log.info("hybrid: graph %d: %d -> %d nodes, rewritten %s", graph_id, nodes_before, len(gm.graph.nodes), counts)
     if not opts.inductor:

@@ -19,6 +19,8 @@ class GraphInfo:
     inputs: str
     rewritten: dict[str, int]
     compiler: str
+    #: whole-graph rewrites (not regions), e.g. complex arithmetic lowered to real (passes/complex.py)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -55,8 +57,9 @@ class Report:
         rows = [("kind", "module", "class", "status", "reason")]
         for r in self.regions():
             rows.append((r["kind"], r["module"], r["cls"], r["status"], r["reason"]))
+        notes = [f"graph {g.graph}: {note}" for g in self.graphs for note in g.notes]
         if len(rows) == 1:
-            return "no MLA, SSM or MoE region found: the whole graph goes to Inductor unchanged"
+            return "\n".join(["no MLA, SSM or MoE region found: the whole graph goes to Inductor unchanged", *notes])
         widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
         lines = []
         for i, row in enumerate(rows):
@@ -66,7 +69,7 @@ class Report:
         c = self.counts()
         lines.append(f"{len(rows) - 1} regions in {len(self.graphs)} graph(s): {c[REWRITTEN]} rewritten, "
                      f"{c[DETECTED]} detected, {c[SKIPPED]} skipped")
-        return "\n".join(lines)
+        return "\n".join(lines + notes)
 
 
 _local = threading.local()

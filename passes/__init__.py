@@ -1,12 +1,14 @@
 """Graph passes, one per file, run in the fixed order of :data:`PIPELINE`."""
 from .base import PassContext, RegionPass, RegionResult, Skip
+from .complex import LowerComplex
 from .mla import FuseMLA
 from .moe import FuseMoE
 from .ssm import FuseSSM
 
 #: The one ordered list of passes. Regions of different kinds never overlap, so the order only fixes
-#: the order of the explain report and of graph edits.
-PIPELINE: list[RegionPass] = [FuseMLA(), FuseSSM(), FuseMoE()]
+#: the order of the explain report and of graph edits; the complex-arithmetic lowering (a whole-graph pass)
+#: comes last, so the region passes see the graph as HF's code traced it.
+PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex()]
 PASS_NAMES = [p.name for p in PIPELINE]
 
 

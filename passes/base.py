@@ -68,6 +68,8 @@ class PassContext:
     #: what to change before that retrace: run when the graph first runs, never during dynamo's analysis
     #: (dynamo may restart an analysis, and a global changed in between makes it diverge)
     before_retrace: list = field(default_factory=list)
+    #: what whole-graph passes did (not per region), for the explain report's graph entries
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.index = ModuleIndex(self.gm)
