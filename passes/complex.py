@@ -43,17 +43,28 @@ def _is_complex(a) -> bool:
     return isinstance(v, torch.Tensor) and v.is_complex()
 
 
+def _mutating(n: fx.Node) -> bool:
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("__") or "out" in n.kwargs
+
+
 def _why_not(n: fx.Node) -> str | None:
     """None when this complex-valued node (or consumer of one) can be lowered, else what stops it."""
+    if any(isinstance(a, complex) for a in (*n.args, *n.kwargs.values())):
+        return "a Python complex constant"
     if n.op == "call_function":
-        if n.target in (torch.polar, torch.view_as_complex, torch.view_as_real):
+        if n.target is torch.view_as_real and not n.kwargs:
+            # stack() copies where view_as_real is a view: an in-place write through it would be lost
+            return "an in-place write into view_as_real's result" if any(map(_mutating, n.users)) else None
+        if n.target in (torch.polar, torch.view_as_complex) and not n.kwargs:
             return None
         if n.target in ARITH and not n.kwargs and len(n.args) == 2:
             return None
-        if n.target in SHAPE_FUNCTIONS and _is_complex(n.args[0]) and not any(_is_complex(a) for a in n.args[1:]):
+        if n.target in SHAPE_FUNCTIONS and _is_complex(n.args[0]) and not any(_is_complex(a) for a in n.args[1:]) \
+                and not n.kwargs:
             return None
     if n.op == "call_method" and n.args and _is_complex(n.args[0]):
-        if n.target in SHAPE_METHODS:
+        if n.target in SHAPE_METHODS and not any(isinstance(a, torch.dtype) for a in n.args[1:]):
             return None
         if n.target == "to" and all(not isinstance(a, torch.dtype) for a in n.args[1:]) \
                 and "dtype" not in n.kwargs:
@@ -119,12 +130,21 @@ def _lower(graph: fx.Graph, n: fx.Node, pairs: dict) -> tuple:
         fn = operator.add if op == "add" else operator.sub
         if isinstance(a, tuple) and isinstance(b, tuple):
             return f(fn, (a[0], b[0])), f(fn, (a[1], b[1]))
-        if isinstance(a, tuple):  # z -/+ real: only the real half moves
-            return f(fn, (a[0], b)), a[1]
-        return f(fn, (a, b[0])), (b[1] if op == "add" else f(operator.neg, (b[1],)))
+        if isinstance(a, tuple):  # z -/+ real: the real half moves, the imaginary half takes the broadcast shape
+            return f(fn, (a[0], b)), _broadcast(graph, a[1], b)
+        im = b[1] if op == "add" else f(operator.neg, (b[1],))
+        return f(fn, (a, b[0])), _broadcast(graph, im, a)
     re, im = pairs[n.args[0]]  # shape functions / methods and .to(device): the same on both halves
     rest = n.args[1:]
     if n.op == "call_method":
         return (graph.call_method(n.target, (re, *rest), dict(n.kwargs)),
                 graph.call_method(n.target, (im, *rest), dict(n.kwargs)))
     return f(n.target, (re, *rest), dict(n.kwargs)), f(n.target, (im, *rest), dict(n.kwargs))
+
+
+def _broadcast(graph: fx.Graph, half, other):
+    """``half`` with the shape it takes next to ``other`` in an elementwise op (adding zeros keeps inf/NaN)."""
+    if not isinstance(other, fx.Node):
+        return half
+    return graph.call_function(operator.add, (half, graph.call_function(torch.zeros_like, (other,))))
+

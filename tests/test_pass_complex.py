@@ -82,3 +82,32 @@ def test_complex_pass_can_be_disabled():
     with _compiled(rope_only, {"complex": False}) as (fn, report, seen):
         torch.testing.assert_close(fn(x, t), rope_only(x, t))
         assert seen and all(names for names in seen)
+
+
+def mixed_real_complex(x: torch.Tensor, b: torch.Tensor) -> tuple:
+    z = torch.view_as_complex(x.reshape(3, 4, 4, 2))  # b broadcasts z to [5, 3, 4, 4]
+    return torch.view_as_real(z - b), torch.view_as_real(b - z), torch.view_as_real(z + b)
+
+
+def complex_constant(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(torch.view_as_complex(x.reshape(3, 4, 4, 2)) * 1j)
+
+
+def write_through_view(x: torch.Tensor) -> torch.Tensor:
+    torch.view_as_real(torch.view_as_complex(x)).mul_(0)  # a view in eager: x becomes zeros
+    return x + 1
+
+
+def test_broadcasts_constants_and_views_stay_eager_exact():
+    """Real operands that broadcast the result lower with both halves broadcast; a Python complex constant and
+    an in-place write through view_as_real (a view, where the lowering's stack copies) keep the graph complex."""
+    x, b = torch.randn(3, 4, 8), torch.randn(5, 3, 4, 4)
+    with _compiled(mixed_real_complex, {}) as (fn, report, seen):
+        for got, want in zip(fn(x, b), mixed_real_complex(x, b)):
+            torch.testing.assert_close(got, want)
+        assert seen and all(not names for names in seen), seen
+    for f, arg, why in ((complex_constant, x, "complex constant"), (write_through_view, torch.randn(4, 2), "in-place")):
+        with _compiled(f, {}) as (fn, report, seen):
+            torch.testing.assert_close(fn(arg.clone()), f(arg.clone()))
+            notes = [n for g in report.graphs for n in g.notes]
+            assert notes and all(why in n for n in notes), notes

@@ -85,6 +85,9 @@ class ModelRunner:
 
     @staticmethod
     def _compiled(model, compile: str | None, freeze_weights: bool = False):
+        if freeze_weights and compile not in ("hybrid", "hybrid-cudagraphs"):
+            raise ValueError(f"freeze_weights=True needs Inductor: compile='hybrid' or 'hybrid-cudagraphs', got "
+                             f"{compile!r}")
         if compile in (None, "none"):
             return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)

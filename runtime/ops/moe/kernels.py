@@ -299,8 +299,9 @@ ROUTER_GEMM_MAX_T = 64
 ROUTER_GEMM_MAX_WEIGHT = 1 << 20
 
 
-def use_router_gemm(T, E: int, H: int) -> bool:
-    return bucket_for(T) <= ROUTER_GEMM_MAX_T and E * H <= ROUTER_GEMM_MAX_WEIGHT
+def use_router_gemm(T, E: int, H: int, dtypes=()) -> bool:
+    return (bucket_for(T) <= ROUTER_GEMM_MAX_T and E * H <= ROUTER_GEMM_MAX_WEIGHT
+            and all(d in _TL_DTYPE for d in dtypes))
 
 
 def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: bool) -> torch.Tensor:
@@ -693,7 +694,7 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tenso
                topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
                config: dict | None = None) -> torch.Tensor:
     """Route + align + experts; same contract as reference.moe."""
-    if use_router_gemm(x.shape[0], router_w.shape[0], x.shape[1]):
+    if use_router_gemm(x.shape[0], router_w.shape[0], x.shape[1], (x.dtype, router_w.dtype)):
         logits = router_logits_triton(x, router_w, router_fp32)
     elif router_fp32:
         logits = F.linear(x.float(), router_w.float())
