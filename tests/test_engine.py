@@ -380,3 +380,8 @@ def test_compiled_engine_freezes_weights(monkeypatch):
     assert [o.token_ids for o in outs] == ref
     assert seen and all(n == 0 for n in seen), seen
     assert report.results and all(r.status == "rewritten" for r in report.results)
+
+
+def test_freeze_weights_needs_inductor():
+    with pytest.raises(ValueError, match="freeze_weights=True needs Inductor"):
+        Engine(zoo.build("deepseek_v2"), compile="hybrid-eager", freeze_weights=True)
