@@ -5,7 +5,7 @@ max-per-chunk + argmax-of-chunks in torch costs four kernels (~11 us at B=1). He
 gives each of B x NCH programs one chunk (about one block) of a row (its max and the first index holding it), then
 ``_argmax_rows_kernel`` picks, per row, the first chunk holding the row's max. Result: torch.argmax's
 (first maximal index; NaN logits are not expected from a model and are not special-cased). No host sync,
-sizes from shapes only: CUDA-graph safe. Reference: ``torch.argmax(logits, -1)`` (tests/test_engine.py).
+sizes from shapes only: CUDA-graph safe. Reference: ``torch.argmax(logits, -1)`` (tests/ops/test_sampling.py).
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, NCH, NCH_P: tl.constexpr):
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (any float dtype; the last dim contiguous) -> int64 [B]: torch.argmax(logits, -1)."""
+    """logits [B, V] (fp16 / bf16 / fp32: compared in fp32; the last dim contiguous) -> int64 [B]:
+    torch.argmax(logits, -1)."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, f"logits must be [B, V] rows, got {tuple(logits.shape)}"
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
