@@ -188,7 +188,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                         tag(f"{name}: engine ({args.compile}), cache {args.cache_mb} MB")
                         engine = Engine(model, cache_memory=args.cache_mb << 20, max_num_seqs=max(args.batches),
                                         max_prefill_tokens=max(args.prompt, 512), compile=args.compile,
-                                        freeze_weights=args.freeze_weights)
+                                        freeze_weights=args.freeze_weights,
+                                        compile_options=parse_options(args.compile_options))
                     tag(f"{name} {variant} B={b}: warm-up (compiles, records graphs)")
                     engine_generate(engine, prompts, 8)
                     tag(f"{name} {variant} B={b}: {new} tokens")
@@ -223,6 +224,17 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
     return rows
 
 
+def parse_options(text: str) -> dict:
+    """``complex=0,verify=1`` -> {"complex": False, "verify": True}."""
+    opts = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or value not in ("0", "1"):
+            raise SystemExit(f"--compile-options: expected key=0 or key=1, got {item!r}")
+        opts[key] = value == "1"
+    return opts
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | variant | B | new tokens | TTFT ms | TPOT ms | host busy ms/step | decode tok/s | x HF eager "
              "| % step roofline | roofline ms | agreeing prefix vs eager | note |", "|" + "---|" * 13]
@@ -249,6 +261,8 @@ def main() -> int:
     ap.add_argument("--compile", default="hybrid-cudagraphs")
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
     ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
+    ap.add_argument("--compile-options", default="",
+                    help="backend options for the engine, e.g. complex=0,moe=1 (pass switches; 0/1 values)")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
     args = ap.parse_args()

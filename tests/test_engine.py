@@ -385,3 +385,17 @@ def test_compiled_engine_freezes_weights(monkeypatch):
 def test_freeze_weights_needs_inductor():
     with pytest.raises(ValueError, match="freeze_weights=True needs Inductor"):
         Engine(zoo.build("deepseek_v2"), compile="hybrid-eager", freeze_weights=True)
+
+
+def test_compile_options_reach_the_backend():
+    from compiler.report import collect
+    engine = Engine(zoo.build("mixtral"), compile="hybrid-eager", compile_options={"moe": False})
+    with collect() as report:
+        outs = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3))
+    assert report.graphs and not any(g.rewritten.get("moe") for g in report.graphs)  # the switch reached the passes
+    assert outs[0].token_ids == hf_greedy("mixtral", PROMPTS[0], 3)
+    with pytest.raises(Exception, match="unknown hybrid option 'fuse_everything'"):
+        Engine(zoo.build("mixtral"), compile="hybrid-eager",
+               compile_options={"fuse_everything": True}).generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="need a hybrid compile mode"):
+        Engine(zoo.build("mixtral"), compile=None, compile_options={"moe": False})

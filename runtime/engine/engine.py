@@ -29,7 +29,7 @@ class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, compile: str | None = "auto",
                  bucket_decode: bool | None = None, paged_decode: bool | None = None, overlap: bool = True,
-                 freeze_weights: bool = False):
+                 freeze_weights: bool = False, compile_options: dict | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -60,7 +60,8 @@ class Engine:
         # HF's Mamba torch paths do not continue a multi-token chunk from a cached state: prefill SSM models whole
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, chunked_prefill=not has_ssm)
-        self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights)
+        self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,
+                                  compile_options)
         self._seqs: dict[int, Sequence] = {}
         self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0)
         self.overlap = overlap

@@ -50,7 +50,8 @@ class Pending:
 
 class ModelRunner:
     def __init__(self, model, cache: PagedCache, blocks: BlockAllocator | None, compile: str | None,
-                 bucket_decode: bool, paged_decode: bool, freeze_weights: bool = False):
+                 bucket_decode: bool, paged_decode: bool, freeze_weights: bool = False,
+                 compile_options: dict | None = None):
         self.model = model
         self.cache = cache
         self.blocks = blocks
@@ -70,7 +71,7 @@ class ModelRunner:
             attention.register()
             model.config._attn_implementation = attention.NAME
             self.bool_mask = True
-        self.forward = self._compiled(model, compile, freeze_weights)
+        self.forward = self._compiled(model, compile, freeze_weights, compile_options)
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
@@ -84,22 +85,25 @@ class ModelRunner:
         self.wait_s = 0.0  # host time spent waiting for the device (events; sampled batches' reads are not counted)
 
     @staticmethod
-    def _compiled(model, compile: str | None, freeze_weights: bool = False):
+    def _compiled(model, compile: str | None, freeze_weights: bool = False, compile_options: dict | None = None):
         if freeze_weights and compile not in ("hybrid", "hybrid-cudagraphs"):
             raise ValueError(f"freeze_weights=True needs Inductor: compile='hybrid' or 'hybrid-cudagraphs', got "
                              f"{compile!r}")
         if compile in (None, "none"):
+            if compile_options:
+                raise ValueError(f"compile_options {compile_options} need a hybrid compile mode, got compile={compile!r}")
             return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)
         from passes.ssm_scan import install_for_model
         install_for_model(model)  # HF's Mamba1 scan as an opaque op from the first trace: no retrace
         # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
-            compiled = torch.compile(model.forward, backend="hybrid", dynamic=True, options={"run_time_configs": True})
+            compiled = torch.compile(model.forward, backend="hybrid", dynamic=True,
+                                     options={**(compile_options or {}), "run_time_configs": True})
             return _frozen(compiled) if freeze_weights else compiled
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
             return torch.compile(model.forward, backend="hybrid", dynamic=True,
-                                 options={"inductor": False, "run_time_configs": True})
+                                 options={**(compile_options or {}), "inductor": False, "run_time_configs": True})
         raise ValueError(f"unknown compile mode {compile!r}: use None, 'hybrid', 'hybrid-cudagraphs' or 'hybrid-eager'")
 
     def _mask_keys(self, config) -> dict[str, bool] | None:
