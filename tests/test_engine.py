@@ -399,3 +399,20 @@ def test_compile_options_reach_the_backend():
                compile_options={"fuse_everything": True}).generate([PROMPTS[0]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="need a hybrid compile mode"):
         Engine(zoo.build("mixtral"), compile=None, compile_options={"moe": False})
+
+
+def test_step_maps_compiled_equal_eager():
+    """The runner compiles step_maps with Inductor on the GPU: same maps as eager, across widths and batches."""
+    from runtime.engine.model_runner import step_maps
+    compiled = torch.compile(step_maps, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for batch, width, q_len, kv_heads in [(1, 16, 1, 0), (3, 48, 1, 2), (2, 64, 5, 0), (5, 32, 1, 4)]:
+        bs = 16
+        table = torch.randint(1, 50, (batch, width // bs), generator=g)
+        pads = torch.randint(0, width - q_len, (batch,), generator=g)
+        want, got = step_maps(table, pads, width, q_len, bs, kv_heads), compiled(table, pads, width, q_len, bs, kv_heads)
+        for w, o in zip(want[:5], got[:5]):
+            assert w.dtype == o.dtype and torch.equal(w, o)
+        assert (want[5] is None) == (got[5] is None) == (kv_heads == 0)
+        if kv_heads:
+            assert all(torch.equal(w, o) for w, o in zip(want[5], got[5]))

@@ -72,6 +72,9 @@ class ModelRunner:
             model.config._attn_implementation = attention.NAME
             self.bool_mask = True
         self.forward = self._compiled(model, compile, freeze_weights, compile_options)
+        # the step's cache maps: a dozen small integer ops, fused into one or two kernels when Inductor is in use
+        self._maps = (torch.compile(step_maps, dynamic=True) if compile in ("hybrid", "hybrid-cudagraphs")
+                      and self.device.type == "cuda" else step_maps)
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
@@ -326,26 +329,17 @@ class ModelRunner:
     def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None):
         """Bind the step's cache maps, built on the device from the block table; returns the attention mask
         and extra forward kwargs (the paged-attention maps of a paged decode step)."""
-        bs = self.blocks.block_size
-        arange = torch.arange(width, device=self.device)[None, :]
-        pos = arange - pads[:, None]  # [B, width]; < 0 is padding
-        keep = pos >= 0
-        pos = pos.clamp(min=0)
-        gather_idx = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0)
-        writes = gather_idx[:, width - q_len:].reshape(-1)  # a row's own tokens are its last q_len keys
         paged = self.paged_decode and kind == "decode"
+        mha = paged and not self.paged_latent
+        gather_idx, writes, keep, lengths, table32, mha_maps = self._maps(
+            table, pads, width, q_len, self.blocks.block_size, self.kv_heads if mha else 0)
         if paged and self.paged_latent:  # MLA: the pages themselves (runtime/ops/mla/paged.py)
-            lengths = (width - pads).to(torch.int32)
-            self.cache.bind(writes, gather_idx, rows, paged, table.to(torch.int32), lengths)
+            self.cache.bind(writes, gather_idx, rows, paged, table32, lengths)
         else:
             self.cache.bind(writes, gather_idx, rows, paged)
         extra = {}
-        if paged and not self.paged_latent:  # the same positions, valid keys first, as rows of the per-head view
-            lengths = width - pads
-            key = arange.expand(table.shape[0], width)
-            slots = torch.where(key < lengths[:, None], table.gather(1, key // bs) * bs + key % bs, 0)
-            extra["hybrid_block_table"], extra["hybrid_seq_lens"] = attention.decode_maps(slots, lengths,
-                                                                                          self.kv_heads)
+        if mha:  # the same positions, valid keys first, as rows of the per-head view (attention.py)
+            extra["hybrid_block_table"], extra["hybrid_seq_lens"] = mha_maps
         mask = keep[:, None, None, :]
         if kind == "prefill":  # query i sits at key index width - q_len + i: causal within the step's tokens
             q_idx = torch.arange(width - q_len, width, device=self.device)[:, None]
@@ -356,6 +350,26 @@ class ModelRunner:
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra
+
+
+def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, bs: int, kv_heads: int):
+    """The cache maps of a step from its block table [B, width / bs] and left padding [B]: (gather_idx [B, width]
+    flat cache rows of every key (0 for padding), write slots [B * q_len] (a row's own tokens are its last q_len
+    keys), key validity [B, width], keys per row int32 [B], the table as int32, and, when ``kv_heads`` > 0, the
+    paged MHA decode maps of attention.decode_maps)."""
+    arange = torch.arange(width, device=table.device)[None, :]
+    pos = arange - pads[:, None]  # [B, width]; < 0 is padding
+    keep = pos >= 0
+    pos = pos.clamp(min=0)
+    gather_idx = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0)
+    writes = gather_idx[:, width - q_len:].reshape(-1)
+    lengths = width - pads
+    mha_maps = None
+    if kv_heads:  # valid keys first
+        key = arange.expand(table.shape[0], width)
+        slots = torch.where(key < lengths[:, None], table.gather(1, key // bs) * bs + key % bs, 0)
+        mha_maps = attention.decode_maps(slots, lengths, kv_heads)
+    return gather_idx, writes, keep, lengths.to(torch.int32), table.to(torch.int32), mha_maps
 
 
 def _frozen(compiled):
