@@ -1,11 +1,13 @@
-"""Decode-time linear layers: hybrid's skinny Triton GEMMs vs cuBLAS (torch.nn.functional.linear).
+"""Decode-time linear layers: hybrid's one-row Triton kernels vs cuBLAS (torch.nn.functional.linear).
 
     python bench/linear.py --out bench/results/linear.json        # GPU: every Linear shape of the three -shape models
     python bench/linear.py --sweep                                # also sweep launch configs (M = 1 and 8)
     python bench/linear.py --smoke                                # CPU, interpreter, two tiny shapes
 
 Shapes: every distinct nn.Linear (out, in) of the zoo's deepseek-v2-lite-shape, mamba2-2.7b-shape and
-mixtral-8x7b-shape models (read from a meta-device build), at M decode rows. Timing models a decode step: the weights
+mixtral-8x7b-shape models (read from a meta-device build), at M decode rows; and the groups of linears that share
+an input (q_proj + kv_a_proj, gate_proj + up_proj, q/k/v_proj), one launch for the group against one cuBLAS call
+each. "ours" is what ``hybrid::linear`` runs (``pick_config``; "-" where it leaves the shape to cuBLAS). Timing models a decode step: the weights
 are cold (a CUDA graph of R calls cycles through enough copies of the weight to cover 256 MB, 5x the L2), calls are
 back to back in one graph, and the time per call is the replay time / R (median of 5 replays), launch gaps
 included. Bytes = weight + x + y; % of 4.3 TB/s. Correctness: each result vs F.linear in fp32 before timing.
@@ -26,7 +28,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import HBM_BPS, log, write  # noqa: E402
-from runtime.ops.linear import pick_config, skinny_linear_triton  # noqa: E402
+from runtime.ops.linear import linear_triton, pick_config  # noqa: E402
 
 MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]
 
@@ -35,8 +37,12 @@ def tag(msg):
     log("linear", msg)
 
 
-def model_shapes(names: list[str]) -> list[tuple[str, str, int, int]]:
-    """(model, first layer name, N, K) for every distinct Linear shape."""
+#: sibling linears that read the same input (what passes/linear.py groups)
+GROUPS = [("q_proj", "kv_a_proj_with_mqa"), ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
+
+
+def model_shapes(names: list[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """(model, first layer name, (N,) or the group's (N_1, N_2, ...), K) for every distinct Linear shape / group."""
     import transformers
 
     from compiler import zoo
@@ -45,19 +51,28 @@ def model_shapes(names: list[str]) -> list[tuple[str, str, int, int]]:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(zoo.make_config(name))
         for mod_name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear) and mod.out_features >= 64:
-                key = (name, mod.out_features, mod.in_features)
-                if key not in seen:
-                    seen.add(key)
-                    out.append((name, mod_name.replace("model.layers.", "L"), mod.out_features, mod.in_features))
+            short = mod_name.replace("model.layers.", "L")
+            found = [(short, (mod.out_features,), mod.in_features)] if isinstance(mod, torch.nn.Linear) \
+                and mod.out_features >= 64 else []
+            for group in GROUPS:
+                subs = [getattr(mod, g, None) for g in group]
+                if all(isinstance(m, torch.nn.Linear) for m in subs):
+                    found.append((f"{short}.{'+'.join(group)}", tuple(m.out_features for m in subs),
+                                  subs[0].in_features))
+            for layer, Ns, K in found:
+                if (name, Ns, K) not in seen:
+                    seen.add((name, Ns, K))
+                    out.append((name, layer, Ns, K))
     return out
 
 
-def sweep_configs(M: int) -> list[dict]:
+def sweep_configs(M: int, n_weights: int) -> list[dict]:
     cfgs = []
     if M == 1:
-        for bn, bk, w, st in itertools.product([4, 8, 16, 32], [256, 512], [4, 8], [3, 4]):
+        for bn, bk, w, st in itertools.product([1, 2, 4, 8], [512, 1024], [4, 8], [3, 4]):
             cfgs.append(dict(kind="gemv", block_n=bn, block_k=bk, warps=w, stages=st))
+    if n_weights > 1:
+        return cfgs
     for bn, bk, st in itertools.product([16, 32, 64], [64, 128, 256], [3, 4, 5]):
         cfgs.append(dict(kind="dot", block_n=bn, block_k=bk, warps=4, stages=st))
     return cfgs
@@ -88,28 +103,33 @@ def per_call_us(calls) -> float:
     return statistics.median(times)
 
 
-def row(model, layer, N, K, M, args, dev, dtype) -> dict:
-    wbytes = N * K * 2
+def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
+    wbytes = sum(Ns) * K * 2
     copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
-    g = torch.Generator(device=dev).manual_seed(N * 7 + K)
-    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    g = torch.Generator(device=dev).manual_seed(sum(Ns) * 7 + K)
+    ws = [[torch.randn(n, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for n in Ns] for _ in range(copies)]
     x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
-    ref = torch.nn.functional.linear(x.float(), ws[0].float())
-    picked = pick_config(M, N, K)
-    got = skinny_linear_triton(x, ws[0], config=picked).float()
-    err = ((got - ref).abs().max() / ref.abs().max()).item()
-    r = dict(model=model, layer=layer, M=M, N=N, K=K, weight_mb=wbytes / 2**20, rel_err=err, picked=picked)
+    picked = pick_config(M, list(Ns), K)
+    check = picked or (dict(kind="dot", block_n=16, block_k=128, warps=4, stages=3) if len(Ns) == 1 else None)
+    err = None
+    if check is not None:
+        got = linear_triton(x, ws[0], config=check)
+        err = max(((y.float() - torch.nn.functional.linear(x.float(), w.float())).abs().max()
+                   / torch.nn.functional.linear(x.float(), w.float()).abs().max()).item() for y, w in zip(got, ws[0]))
+    r = dict(model=model, layer=layer, M=M, N=Ns, K=K, weight_mb=wbytes / 2**20, rel_err=err, picked=picked)
     if dev != "cuda":
         return r
-    nbytes = wbytes + M * K * 2 + M * N * 2
+    nbytes = wbytes + M * K * 2 + M * sum(Ns) * 2
     R = max(8, copies)
-    r["cublas_us"] = per_call_us([lambda i=i: torch.nn.functional.linear(x, ws[i % copies]) for i in range(R)])
-    r["ours_us"] = per_call_us([lambda i=i: skinny_linear_triton(x, ws[i % copies], config=picked) for i in range(R)])
-    if args.sweep and M in (1, 8):
+    r["cublas_us"] = per_call_us([lambda i=i: [torch.nn.functional.linear(x, w) for w in ws[i % copies]]
+                                  for i in range(R)])
+    if picked is not None:
+        r["ours_us"] = per_call_us([lambda i=i: linear_triton(x, ws[i % copies], config=picked) for i in range(R)])
+    if args.sweep and M in (1, 8) and (len(Ns) == 1 or M == 1):
         best = None
-        for cfg in sweep_configs(M):
+        for cfg in sweep_configs(M, len(Ns)):
             try:
-                t = per_call_us([lambda i=i: skinny_linear_triton(x, ws[i % copies], config=cfg) for i in range(R)])
+                t = per_call_us([lambda i=i: linear_triton(x, ws[i % copies], config=cfg) for i in range(R)])
             except Exception as e:  # noqa: BLE001  (a config that does not fit is skipped)
                 tag(f"  {cfg}: {type(e).__name__}")
                 continue
@@ -119,8 +139,8 @@ def row(model, layer, N, K, M, args, dev, dtype) -> dict:
     for k in ("cublas_us", "ours_us", "best_us"):
         if k in r:
             r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
-    tag(f"{model} {layer} M={M} N={N} K={K}: cuBLAS {r['cublas_us']:.2f} us, ours {r['ours_us']:.2f} us"
-        + (f", best {r['best_us']:.2f} us {r['best']}" if "best_us" in r else "") + f", err {err:.1e}")
+    tag(f"{model} {layer} M={M} N={Ns} K={K}: cuBLAS {r['cublas_us']:.2f} us, ours {r.get('ours_us', '-')} us"
+        + (f", best {r['best_us']:.2f} us {r['best']}" if "best_us" in r else "") + f", err {err}")
     return r
 
 
@@ -130,24 +150,26 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         f = lambda k: f"{r[k]:.2f} ({r[k.replace('_us', '_pct')]:.0f}%)" if k in r else "-"  # noqa: E731
         ratio = f"{r['cublas_us'] / r['ours_us']:.2f}x" if "ours_us" in r else "-"
+        err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
         best = r.get("best")
         bcfg = f"{best['kind']} n{best['block_n']} k{best['block_k']} w{best['warps']} s{best['stages']}" if best else "-"
-        lines.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['N']} x {r['K']} | {r['weight_mb']:.1f} | "
-                     f"{f('cublas_us')} | {f('ours_us')} | {ratio} | {f('best_us')} | {bcfg} | {r['rel_err']:.1e} |")
+        n = "+".join(map(str, r["N"]))
+        lines.append(f"| {r['model']} | {r['layer']} | {r['M']} | {n} x {r['K']} | {r['weight_mb']:.1f} | "
+                     f"{f('cublas_us')} | {f('ours_us')} | {ratio} | {f('best_us')} | {bcfg} | {err} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--rows", default="1,2,4,8,16", help="decode rows M")
+    ap.add_argument("--rows", default="1,8", help="decode rows M")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs at M = 1 and 8")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, two small shapes")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    shapes = ([("smoke", "a", 72, 40), ("smoke", "b", 33, 130)] if args.smoke
+    shapes = ([("smoke", "a", (72,), 40), ("smoke", "b", (33,), 130), ("smoke", "c", (24, 9, 40), 72)] if args.smoke
               else model_shapes(args.models.split(",")))
     rows = []
     for model, layer, N, K in shapes:

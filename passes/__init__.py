@@ -1,14 +1,16 @@
 """Graph passes, one per file, run in the fixed order of :data:`PIPELINE`."""
 from .base import PassContext, RegionPass, RegionResult, Skip
 from .complex import LowerComplex
+from .linear import DecodeLinear
 from .mla import FuseMLA
 from .moe import FuseMoE
 from .ssm import FuseSSM
 
 #: The one ordered list of passes. Regions of different kinds never overlap, so the order only fixes
-#: the order of the explain report and of graph edits; the complex-arithmetic lowering (a whole-graph pass)
-#: comes last, so the region passes see the graph as HF's code traced it.
-PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex()]
+#: the order of the explain report and of graph edits; the whole-graph passes (complex arithmetic lowered to
+#: real, the linears left over routed through hybrid::linear) come last, so the region passes see the graph as
+#: HF's code traced it.
+PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex(), DecodeLinear()]
 PASS_NAMES = [p.name for p in PIPELINE]
 
 

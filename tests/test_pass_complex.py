@@ -49,7 +49,7 @@ def test_deepseek_v2_rope_lowered_and_logits_unchanged():
         got = fn(ids).logits
         assert rel_err(got, want) < 1e-5
         assert seen and all(not names for names in seen), seen  # no complex node reaches Inductor
-        notes = [n for g in report.graphs for n in g.notes]
+        notes = [n for g in report.graphs for n in g.notes if "complex" in n]
         assert notes and all("lowered to real arithmetic" in n for n in notes), notes
         assert "lowered to real arithmetic" in report.table()
 
@@ -70,7 +70,7 @@ def test_unknown_complex_op_keeps_the_graph_complex():
     with _compiled(rope_then_abs, {}) as (fn, report, seen):
         torch.testing.assert_close(fn(x, t), rope_then_abs(x, t))
         assert seen and all(names for names in seen)  # left as it was
-        notes = [n for g in report.graphs for n in g.notes]
+        notes = [n for g in report.graphs for n in g.notes if "complex" in n]
         assert notes and all("complex ops kept" in n and "abs" in n for n in notes), notes
     with _compiled(rope_only, {}) as (fn, report, seen):
         torch.testing.assert_close(fn(x, t), rope_only(x, t), rtol=1e-6, atol=1e-6)
@@ -109,5 +109,5 @@ def test_broadcasts_constants_and_views_stay_eager_exact():
     for f, arg, why in ((complex_constant, x, "complex constant"), (write_through_view, torch.randn(4, 2), "in-place")):
         with _compiled(f, {}) as (fn, report, seen):
             torch.testing.assert_close(fn(arg.clone()), f(arg.clone()))
-            notes = [n for g in report.graphs for n in g.notes]
+            notes = [n for g in report.graphs for n in g.notes if "complex" in n]
             assert notes and all(why in n for n in notes), notes

@@ -1,2 +1,4 @@
-"""Decode-time linear layers: ``skinny_linear_triton`` (M <= 16 rows; reference: ``F.linear``)."""
-from .kernels import MAX_ROWS, pick_config, skinny_linear_triton  # noqa: F401
+"""Linear layers at one row (decode at batch 1): ``hybrid::linear`` and ``hybrid::linear_group`` (ops.py), Triton
+kernels in kernels.py; reference: ``torch.nn.functional.linear``."""
+from . import ops  # noqa: F401
+from .kernels import linear_triton, pick_config  # noqa: F401

@@ -1,16 +1,18 @@
-"""Skinny GEMMs for decode: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for M <= 16 rows.
+"""Linear layers at one row (decode at batch 1): y = x @ w^T (+ bias), x [1, K], w [N, K].
 
-At decode a linear layer multiplies one row per sequence by the weight: the time is the weight's bytes over the
-memory bandwidth, and cuBLAS's small-M kernels leave much of it on the table for the mid-sized projections of
-these models (2-54 MB; see bench/linear.py). Each program here owns BLOCK_N output columns for every row and
-streams its [BLOCK_N, K] slab of the weight once, BLOCK_K at a time, in as many pipeline stages as fit:
+At decode a linear layer's time is its weight's bytes over the memory bandwidth, plus a fixed cost per kernel.
+For the mid-sized projections of these models (2-50 MB) cuBLAS's one-row kernels reach 10-70% of 4.3 TB/s on the
+H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-30_linear_h200.md). Here:
 
-- ``_gemv_kernel`` (M == 1): products and a row sum on the CUDA cores, fp32.
-- ``_skinny_dot_kernel`` (M <= 16): the rows padded to a 16-row tensor-core tile, fp32 accumulation.
+- ``_gemv_kernel``: each program owns BLOCK_N output columns and streams their [BLOCK_N, K] slab of the weight
+  once, BLOCK_K at a time (products and a row sum on the CUDA cores, fp32). Small BLOCK_N gives every SM several
+  programs, so no split-K. Up to three weights that share the input run in one launch (``q_proj`` +
+  ``kv_a_proj``, ``gate_proj`` + ``up_proj``, ``q/k/v_proj``): one kernel's fixed cost instead of three.
+- ``_skinny_dot_kernel``: the row padded to a 16-row tensor-core tile, wider BLOCK_N; faster for weights of
+  40 MB and more (lm_head).
 
-Small BLOCK_N keeps enough programs in flight for every SM (no split-K, so one kernel and no second pass).
-Launch configs per (M, N, K) come from ``pick_config`` (measured on the H200). Reference:
-``torch.nn.functional.linear`` (tests/ops/test_linear.py).
+``pick_config`` says which (measured configs) or None where cuBLAS is as fast (more rows, K > 8192: those need
+a split-K). Reference: ``torch.nn.functional.linear`` (tests/ops/test_linear.py).
 """
 from __future__ import annotations
 
@@ -20,18 +22,31 @@ import triton.language as tl
 
 from ..library import interpreting
 
-#: the most rows the skinny kernels take; bigger batches go to cuBLAS
-MAX_ROWS = 16
+#: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
+DTYPES = (torch.bfloat16, torch.float16)
+MAX_K = 8192
+MAX_GROUP = 3
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
+def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, N0, N1, N2, K, s0, s1, s2,
+                 NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    nb1 = tl.cdiv(N1, BLOCK_N)
+    # which weight this program's columns belong to (programs of weight 0 first, then 1, then 2)
+    w_ptr, y_ptr, N, stride, n0 = w0_ptr, y0_ptr, N0, s0, pid * BLOCK_N
+    if NUM_W > 1:
+        if pid >= nb0:
+            w_ptr, y_ptr, N, stride, n0 = w1_ptr, y1_ptr, N1, s1, (pid - nb0) * BLOCK_N
+    if NUM_W > 2:
+        if pid >= nb0 + nb1:
+            w_ptr, y_ptr, N, stride, n0 = w2_ptr, y2_ptr, N2, s2, (pid - nb0 - nb1) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + rk
@@ -79,37 +94,52 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def pick_config(M: int, N: int, K: int) -> dict:
-    """Launch config for y[M, N] = x[M, K] w^T: kernel, BLOCK_N, BLOCK_K, warps, stages (see bench/linear.py)."""
-    kind = "gemv" if M == 1 else "dot"
-    block_n = 16 if kind == "dot" else 8
-    while block_n > (16 if kind == "dot" else 2) and triton.cdiv(N, block_n) < 264:
-        block_n //= 2
-    return dict(kind=kind, block_n=block_n, block_k=256 if kind == "gemv" else 128, warps=4, stages=4)
+#: configs measured on the H200 (bench/linear.py --sweep, 2026-11-30): the best for every one-row shape below
+#: 40 MB, and for 40 MB and more
+GEMV = dict(kind="gemv", block_n=4, block_k=512, warps=8, stages=3)
+DOT_MID = dict(kind="dot", block_n=32, block_k=128, warps=4, stages=4)
+DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 
 
-def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16), w [N, K] (rows contiguous), bias [N] or None -> [M, N] in x.dtype."""
+def pick_config(M: int, Ns: list[int], K: int) -> dict | None:
+    """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS."""
+    if M != 1 or K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP:
+        return None
+    if len(Ns) > 1:
+        return GEMV
+    nbytes = Ns[0] * K * 2
+    return DOT_BIG if nbytes >= 128 << 20 else DOT_MID if nbytes >= 40 << 20 else GEMV
+
+
+def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
+                  config: dict | None = None) -> list[torch.Tensor]:
+    """x [M, K] (rows contiguous), weights [N_i, K] (rows contiguous; 1-3 of them, gemv: M == 1; bias only with one
+    weight) -> [x @ w_i^T (+ bias)] in x.dtype."""
     M, K = x.shape
-    N = w.shape[0]
-    assert M <= MAX_ROWS, f"skinny_linear_triton takes at most {MAX_ROWS} rows, got {M}"
-    assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1, "x and w must have contiguous rows of K"
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return y
-    cfg = config or pick_config(M, N, K)
-    gemv = cfg["kind"] == "gemv" and M == 1
-    block_n = cfg["block_n"] if gemv else max(16, cfg["block_n"])
-    b = bias if bias is not None else w  # a valid pointer, never read
-    grid = (triton.cdiv(N, block_n),)
+    Ns = [w.shape[0] for w in weights]
+    cfg = config or pick_config(M, Ns, K)
+    assert cfg is not None, f"no Triton config for M={M}, N={Ns}, K={K}: use F.linear"
+    assert all(w.shape[1] == K and w.stride(1) == 1 for w in weights) and x.stride(1) == 1, \
+        "x and the weights must have contiguous rows of K"
+    assert bias is None or len(weights) == 1, "bias only with a single weight"
+    ys = [torch.empty(M, n, dtype=x.dtype, device=x.device) for n in Ns]
+    if M == 0:
+        return ys
+    b = bias if bias is not None else x  # a valid pointer, never read
     even_k = K % cfg["block_k"] == 0
     opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if gemv:
-        _gemv_kernel[grid](x, w, b, y, N, K, w.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
-    else:
-        _skinny_dot_kernel[grid](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                 HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=cfg["block_k"],
-                                 EVEN_K=even_k, F32_DOT=interpreting(), **opts)
-    return y
+    if cfg["kind"] == "gemv":
+        assert M == 1, "the gemv kernel takes one row"
+        bn = cfg["block_n"]
+        w3, y3, n3 = (weights + [weights[0]] * 2)[:3], (ys + [ys[0]] * 2)[:3], (Ns + [0, 0])[:3]
+        grid = (sum(triton.cdiv(n, bn) for n in Ns),)
+        _gemv_kernel[grid](x, *w3, *y3, b, *n3, K, *(w.stride(0) for w in w3), NUM_W=len(weights),
+                           HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
+        return ys
+    assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
+    w, y = weights[0], ys[0]
+    bn = max(16, cfg["block_n"])
+    _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
+                                                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
+                                                  EVEN_K=even_k, F32_DOT=interpreting(), **opts)
+    return ys

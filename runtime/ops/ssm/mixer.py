@@ -4,8 +4,9 @@
 conv_state [B, C, W], ssm_state fp32) with the states HF's cache keeps after a fresh prefill (W = conv kernel,
 the last W conv inputs, zero-padded on the left).
 ``..._step``: decode (T=1): the HF cache's conv and ssm states are updated in place.
-The projections stay plain ``F.linear`` (cuBLAS through Inductor); conv, scan, state update and gated norm
-are the hybrid kernels. ``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
+The projections are ``F.linear`` at prefill (cuBLAS through Inductor) and ``hybrid::linear`` at decode (Triton
+one-row kernels at batch 1, cuBLAS otherwise: runtime/ops/linear); conv, scan, state update and gated norm are
+the hybrid kernels. ``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
 after the conv).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from ..library import op_name
+from ..linear import ops as _linear  # noqa: F401  (registers hybrid::linear)
 
 
 def _masked(h: Tensor, mask: Optional[Tensor]) -> Tensor:
@@ -69,17 +71,18 @@ def _mamba_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor,
                       c_norm_w: Optional[Tensor], norm_eps: float, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
     """Mamba1 mixer decode: hidden [B, 1, Hd]; conv_state [B, D, W] and ssm_state [B, D, N] updated in place."""
     n = A_log.shape[1]
-    proj = F.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0]  # [B, 2D]
+    proj = torch.ops.hybrid.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0]  # [B, 2D]
     x, z = proj.chunk(2, dim=-1)
     xc = torch.ops.hybrid.causal_conv1d_update(x, conv_state, conv_w.reshape(conv_w.shape[0], -1), conv_b,
                                                "silu", None)
     xc = _masked(xc[:, None], mask)[:, 0]
-    dt, b, c = _mamba1_params(F.linear(xc, x_proj_w)[:, None], dt_proj_w, dt_proj_w.shape[1], n, dt_norm_w,
+    xdbl = torch.ops.hybrid.linear(xc, x_proj_w)[:, None]
+    dt, b, c = _mamba1_params(xdbl, dt_proj_w, dt_proj_w.shape[1], n, dt_norm_w,
                               b_norm_w, c_norm_w, norm_eps)
     A = -torch.exp(A_log.float())
     y = torch.ops.hybrid.selective_state_update(ssm_state, xc, dt[..., 0], A, b[:, 0], c[:, 0], D, z,
                                                 None if dt_proj_b is None else dt_proj_b.float(), True, None)
-    return F.linear(y[:, None].to(hidden.dtype), out_proj_w, out_proj_b)
+    return torch.ops.hybrid.linear(y[:, None].to(hidden.dtype), out_proj_w, out_proj_b)
 
 
 def _mamba2_split(proj: Tensor, d_inner: int, conv_dim: int):
@@ -122,7 +125,8 @@ def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor
     d_inner = heads * head_dim
     conv_dim = conv_w.shape[0]
     n = (conv_dim - d_inner) // (2 * groups)
-    gate, xbc, dt = _mamba2_split(F.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0], d_inner, conv_dim)
+    proj = torch.ops.hybrid.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0]
+    gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
     xbc = torch.ops.hybrid.causal_conv1d_update(xbc, conv_state, conv_w.reshape(conv_dim, -1), conv_b, "silu",
                                                 None)
     xbc = _masked(xbc[:, None], mask)[:, 0]
@@ -131,4 +135,4 @@ def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor
                                           -torch.exp(A_log.float()), b.reshape(bsz, groups, n),
                                           c.reshape(bsz, groups, n), D, None, dt_bias, True, 0.0, float("inf"), None)
     y = torch.ops.hybrid.gated_rms_norm(y.reshape(bsz, 1, d_inner), gate[:, None], norm_w, eps, norm_group)
-    return F.linear(y.to(hidden.dtype), out_proj_w, out_proj_b)
+    return torch.ops.hybrid.linear(y.to(hidden.dtype), out_proj_w, out_proj_b)

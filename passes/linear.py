@@ -1,0 +1,93 @@
+"""Linear layers -> ``hybrid::linear`` / ``hybrid::linear_group``, which run Triton one-row kernels at decode.
+
+At batch 1 every projection is a one-row GEMM whose time is its weight's bytes plus a fixed cost per kernel;
+cuBLAS's one-row kernels leave bandwidth on the table for 2-50 MB weights and some add a split-K reduction
+kernel (bench/results/2026-11-30_linear_h200.md). The ops choose per call (runtime/ops/linear/ops.py): one row on
+CUDA in fp16/bf16 -> Triton, anything else (prefill, bigger batches, the CPU) -> ``F.linear`` unchanged.
+
+Siblings that read the same input with bias-free weights (``q_proj`` + ``kv_a_proj_with_mqa``, ``gate_proj`` +
+``up_proj``, ``q/k/v_proj``) become one ``linear_group`` call: one launch instead of two or three. Only linears
+whose weight is a module parameter are touched (a computed weight is left as it is). It runs after the region
+passes, on the linears they left in the graph; the explain report's note for the graph counts them.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from graphs.regions import node_value
+
+from .base import PassContext
+
+KIND = "linear"
+_LINEAR = {torch._C._nn.linear, F.linear}
+MAX_GROUP = 3
+
+
+def _parts(n: fx.Node):
+    """(x, weight, bias) of a linear call node, or None when it is not one this pass can take."""
+    if n.op != "call_function" or n.target not in _LINEAR or set(n.kwargs) - {"weight", "bias"}:
+        return None
+    args = list(n.args) + [None] * (3 - len(n.args))
+    x, w, b = args[0], n.kwargs.get("weight", args[1]), n.kwargs.get("bias", args[2])
+    xv, wv = node_value(x), node_value(w)
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or wv.dim() != 2:
+        return None
+    return x, w, b
+
+
+class DecodeLinear:
+    kind = KIND
+    name = "linear"
+
+    def run(self, ctx: PassContext) -> int:
+        graph = ctx.gm.graph
+        weights = ctx.weight_nodes
+        found = [(n, p) for n in graph.nodes if (p := _parts(n)) is not None and p[1] in weights
+                 and (p[2] is None or p[2] in weights)]
+        if not found:
+            return 0
+        groups: dict[tuple, list[fx.Node]] = {}
+        singles = []
+        for n, (x, w, b) in found:
+            wv = node_value(w)
+            if b is None:
+                groups.setdefault((x, wv.dtype, wv.shape[1]), []).append(n)
+            else:
+                singles.append(n)
+        launches = grouped = 0
+        for members in groups.values():
+            for i in range(0, len(members), MAX_GROUP):
+                chunk = members[i:i + MAX_GROUP]
+                if len(chunk) == 1:
+                    singles.append(chunk[0])
+                    continue
+                x = _parts(chunk[0])[0]
+                with graph.inserting_before(chunk[0]):  # the earliest: members are in graph order
+                    call = graph.call_function(torch.ops.hybrid.linear_group.default,
+                                               (x, [_parts(m)[1] for m in chunk]))
+                    call.meta["example_value"] = [node_value(m) for m in chunk]
+                for j, m in enumerate(chunk):
+                    with graph.inserting_before(m):
+                        item = graph.call_function(operator.getitem, (call, j))
+                    item.meta.update(m.meta)
+                    m.replace_all_uses_with(item)
+                    graph.erase_node(m)
+                launches += 1
+                grouped += len(chunk)
+        for m in singles:
+            x, w, b = _parts(m)
+            with graph.inserting_before(m):
+                call = graph.call_function(torch.ops.hybrid.linear.default, (x, w, b))
+            call.meta.update(m.meta)
+            m.replace_all_uses_with(call)
+            graph.erase_node(m)
+        graph.lint()
+        ctx.gm.recompile()
+        total = len(found)
+        ctx.notes.append(f"{total} linear layers -> hybrid::linear ({grouped} of them in {launches} shared-input "
+                         "launches): Triton kernels at one row, F.linear otherwise")
+        return total

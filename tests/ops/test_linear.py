@@ -1,0 +1,90 @@
+"""The one-row linear kernels (runtime/ops/linear) vs F.linear: single weights, groups of 2-3 weights sharing the
+input, K not a multiple of the block, odd N, bias; the ops' dispatch (Triton only where pick_config takes the
+shape, F.linear otherwise). CPU: the Triton interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.ops.linear import kernels, linear_triton, pick_config
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _data(Ns, K, M, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    ws = [(torch.randn(n, K, generator=g) / K ** 0.5).to(DEV, dtype) for n in Ns]
+    return x, ws
+
+
+def _close(got, x, w, bias=None, tol=1e-5):
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert got.shape == want.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("Ns,K", [((33,), 130), ((72,), 1024), ((24, 9), 72), ((5, 17, 40), 520)])
+@pytest.mark.parametrize("block_k", [64, 512])
+def test_gemv_matches_linear(Ns, K, block_k):
+    x, ws = _data(Ns, K, 1, torch.float32, sum(Ns) + K + block_k)
+    cfg = dict(kernels.GEMV, block_k=block_k, block_n=4)
+    for y, w in zip(linear_triton(x, ws, config=cfg), ws):
+        _close(y, x, w)
+
+
+def test_gemv_bias_and_bf16():
+    x, (w,) = _data((37,), 300, 1, torch.bfloat16, 3)
+    bias = torch.randn(37).to(DEV, torch.bfloat16)
+    _close(linear_triton(x, [w], bias, config=dict(kernels.GEMV, block_k=128))[0], x, w, bias, tol=2e-2)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("N,K", [(33, 130), (100, 256)])
+def test_dot_kernel_matches_linear(M, N, K):
+    x, (w,) = _data((N,), K, M, torch.float32, M * N + K)
+    bias = torch.randn(N).to(DEV)
+    _close(linear_triton(x, [w], bias, config=dict(kernels.DOT_MID, block_k=64))[0], x, w, bias)
+
+
+def test_pick_config_leaves_cublas_shapes():
+    assert pick_config(1, [2048], 2048) == kernels.GEMV
+    assert pick_config(1, [102400], 2048) == kernels.DOT_BIG
+    assert pick_config(1, [3072, 576], 2048) == kernels.GEMV
+    assert pick_config(2, [2048], 2048) is None          # more rows: cuBLAS
+    assert pick_config(1, [2048], 10944) is None         # long K wants a split-K: cuBLAS
+    assert pick_config(1, [64] * 4, 256) is None         # at most three weights per launch
+
+
+def test_ops_dispatch(monkeypatch):
+    import runtime.ops  # noqa: F401  (registers hybrid::linear)
+    x, ws = _data((24, 9), 72, 1, torch.bfloat16, 5)
+    x3 = x.view(1, 1, 72)
+    # F.linear where the kernels do not take the call: more rows, fp32, or (on the CPU) no forced interpreter
+    x2 = torch.randn(2, 3, 72).to(DEV, torch.bfloat16)
+    assert torch.equal(torch.ops.hybrid.linear(x2, ws[0], None), F.linear(x2, ws[0]))
+    xf, wf = x3.float(), ws[0].float()
+    assert torch.equal(torch.ops.hybrid.linear(xf, wf, None), F.linear(xf, wf))
+    if DEV == "cpu":
+        assert torch.equal(torch.ops.hybrid.linear(x3, ws[0], None), F.linear(x3, ws[0]))
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    calls = []
+    real = kernels._gemv_kernel
+    monkeypatch.setattr("runtime.ops.linear.kernels._gemv_kernel", _Spy(real, calls))
+    y = torch.ops.hybrid.linear(x3, ws[0], None)
+    assert y.shape == (1, 1, 24) and len(calls) == 1
+    _close(y.view(1, 24), x, ws[0], tol=2e-2)
+    ys = torch.ops.hybrid.linear_group(x3, ws)
+    assert [t.shape for t in ys] == [(1, 1, 24), (1, 1, 9)] and len(calls) == 2  # one launch for the group
+    for t, w in zip(ys, ws):
+        _close(t.view(1, -1), x, w, tol=2e-2)
+
+
+class _Spy:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]

@@ -1,0 +1,91 @@
+"""passes/linear.py: linear layers with parameter weights become hybrid::linear, siblings reading one input
+hybrid::linear_group (one launch); logits unchanged; computed weights are left alone; the switch turns it off."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from compiler import collect, zoo
+from compiler.numerics import rel_err
+
+
+def _ops(gm: fx.GraphModule) -> list[str]:
+    names = {torch.ops.hybrid.linear.default: "linear", torch.ops.hybrid.linear_group.default: "group",
+             torch._C._nn.linear: "F.linear", F.linear: "F.linear"}
+    return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
+
+
+@contextlib.contextmanager
+def _compiled(fn, options):
+    """(compiled fn, explain report, per graph the linear-like calls that reach Inductor)."""
+    import torch._inductor.compile_fx as cfx
+    seen, real = [], cfx.compile_fx
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        seen.append(_ops(gm))
+        return real(gm, example_inputs, *args, **kwargs)
+    cfx.compile_fx = spy
+    torch._dynamo.reset()
+    try:
+        with collect() as report, torch.no_grad():
+            yield torch.compile(fn, backend="hybrid", options=options), report, seen
+    finally:
+        cfx.compile_fx = real
+        torch._dynamo.reset()
+
+
+def _notes(report) -> list[str]:
+    return [n for g in report.graphs for n in g.notes if "linear" in n]
+
+
+def test_deepseek_v2_linears_grouped_and_logits_unchanged():
+    model = zoo.build("deepseek_v2")
+    ids = torch.randint(3, model.config.vocab_size, (1, 1))  # one row: the decode shape
+    with torch.no_grad():
+        want = model(ids).logits
+    with _compiled(model.forward, {}) as (fn, report, seen):
+        assert rel_err(fn(ids).logits, want) < 1e-5
+    ops = [o for g in seen for o in g]
+    # per layer: q_proj + kv_a_proj_with_mqa share the input; the dense MLP's and the shared experts' gate + up too
+    layers = model.config.num_hidden_layers
+    assert ops.count("group") == 2 * layers and "F.linear" not in ops, ops
+    assert ops.count("linear") == 2 * layers + 1  # o_proj and down_proj per layer, lm_head
+    assert _notes(report) == [f"{6 * layers + 1} linear layers -> hybrid::linear ({4 * layers} of them in "
+                              f"{2 * layers} shared-input launches): Triton kernels at one row, F.linear otherwise"]
+
+
+class _Computed(torch.nn.Module):
+    """q/k share an input with parameter weights; v's weight is computed in the graph; o has a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(24, 16, bias=False)
+        self.k = torch.nn.Linear(24, 8, bias=False)
+        self.v = torch.nn.Parameter(torch.randn(8, 24))
+        self.o = torch.nn.Linear(32, 24)
+
+    def forward(self, x):
+        v = F.linear(x, self.v * 2.0)  # a computed weight: not this pass's business
+        return self.o(torch.cat([self.q(x), self.k(x), v], -1))
+
+
+def test_computed_weights_stay_and_bias_runs_alone():
+    m = _Computed().eval()
+    x = torch.randn(1, 3, 24)
+    with torch.no_grad():
+        want = m(x)
+    with _compiled(m, {}) as (fn, report, seen):
+        torch.testing.assert_close(fn(x), want)
+    assert sorted(o for g in seen for o in g) == ["F.linear", "group", "linear"]
+    assert _notes(report) == ["3 linear layers -> hybrid::linear (2 of them in 1 shared-input launches): Triton "
+                              "kernels at one row, F.linear otherwise"]
+
+
+def test_switch_turns_it_off():
+    m = _Computed().eval()
+    with _compiled(m, {"linear": False}) as (fn, report, seen):
+        fn(torch.randn(1, 3, 24))
+    assert sorted(o for g in seen for o in g) == ["F.linear"] * 4 and not _notes(report)
