@@ -10,7 +10,7 @@ an input (q_proj + kv_a_proj, gate_proj + up_proj, q/k/v_proj), one launch for t
 each. "ours" is what ``hybrid::linear`` runs (``pick_config``; "-" where it leaves the shape to cuBLAS). Timing models a decode step: the weights
 are cold (a CUDA graph of R calls cycles through enough copies of the weight to cover 256 MB, 5x the L2), calls are
 back to back in one graph, and the time per call is the replay time / R (median of 5 replays), launch gaps
-included. Bytes = weight + x + y; % of 4.3 TB/s. Correctness: each result vs F.linear in fp32 before timing.
+included; ours also without programmatic dependent launch (HYBRID_PDL=0). Bytes = weight + x + y; % of 4.3 TB/s. Correctness: each result vs F.linear in fp32 before timing.
 """
 from __future__ import annotations
 
@@ -125,6 +125,12 @@ def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
                                   for i in range(R)])
     if picked is not None:
         r["ours_us"] = per_call_us([lambda i=i: linear_triton(x, ws[i % copies], config=picked) for i in range(R)])
+        os.environ["HYBRID_PDL"] = "0"  # the same kernels launched without programmatic dependent launch
+        try:
+            r["nopdl_us"] = per_call_us([lambda i=i: linear_triton(x, ws[i % copies], config=picked)
+                                         for i in range(R)])
+        finally:
+            os.environ.pop("HYBRID_PDL")
     if args.sweep and M in (1, 8) and (len(Ns) == 1 or M == 1):
         best = None
         for cfg in sweep_configs(M, len(Ns)):
@@ -136,7 +142,7 @@ def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
             if best is None or t < best[0]:
                 best = (t, cfg)
         r["best_us"], r["best"] = best
-    for k in ("cublas_us", "ours_us", "best_us"):
+    for k in ("cublas_us", "ours_us", "nopdl_us", "best_us"):
         if k in r:
             r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
     tag(f"{model} {layer} M={M} N={Ns} K={K}: cuBLAS {r['cublas_us']:.2f} us, ours {r.get('ours_us', '-')} us"
@@ -145,8 +151,8 @@ def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | layer | M | N x K | MB | cuBLAS us (% of 4.3 TB/s) | ours us (%) | x cuBLAS | best swept us | "
-             "best config | rel err |", "|" + "---|" * 11]
+    lines = ["| model | layer | M | N x K | MB | cuBLAS us (% of 4.3 TB/s) | ours us (%) | x cuBLAS | ours without PDL "
+             "us (%) | best swept us | best config | rel err |", "|" + "---|" * 12]
     for r in rows:
         f = lambda k: f"{r[k]:.2f} ({r[k.replace('_us', '_pct')]:.0f}%)" if k in r else "-"  # noqa: E731
         ratio = f"{r['cublas_us'] / r['ours_us']:.2f}x" if "ours_us" in r else "-"
@@ -155,7 +161,7 @@ def table(rows: list[dict]) -> str:
         bcfg = f"{best['kind']} n{best['block_n']} k{best['block_k']} w{best['warps']} s{best['stages']}" if best else "-"
         n = "+".join(map(str, r["N"]))
         lines.append(f"| {r['model']} | {r['layer']} | {r['M']} | {n} x {r['K']} | {r['weight_mb']:.1f} | "
-                     f"{f('cublas_us')} | {f('ours_us')} | {ratio} | {f('best_us')} | {bcfg} | {err} |")
+                     f"{f('cublas_us')} | {f('ours_us')} | {ratio} | {f('nopdl_us')} | {f('best_us')} | {bcfg} | {err} |")
     return "\n".join(lines)
 
 

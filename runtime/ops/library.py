@@ -12,6 +12,7 @@ CPU tensors (bf16 is unreliable in the interpreter: kernels load bf16 and comput
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,3 +44,16 @@ def size_hint(n) -> int:
         hint = n.node.hint
         return int(hint) if hint is not None else 1
     return int(n)
+
+
+def pdl() -> bool:
+    """Launch kernels that support it with programmatic dependent launch (Hopper and newer): the kernel may start
+    while the one before it drains and waits (``gdc_wait``) before reading anything. ``HYBRID_PDL=0`` turns it off."""
+    if interpreting() or os.environ.get("HYBRID_PDL", "1") == "0":
+        return False
+    return _hopper_or_newer()
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9

@@ -11,6 +11,9 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
 - ``_skinny_dot_kernel``: the row padded to a 16-row tensor-core tile, wider BLOCK_N; faster for weights of
   40 MB and more (lm_head).
 
+On Hopper both launch with programmatic dependent launch (``library.pdl``): a kernel may be scheduled while the
+one before it drains; it waits (``gdc_wait``) before its first load.
+
 ``pick_config`` says which (measured configs) or None where cuBLAS is as fast (more rows, K > 8192: those need
 a split-K). Reference: ``torch.nn.functional.linear`` (tests/ops/test_linear.py).
 """
@@ -20,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..library import interpreting
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..library import interpreting, pdl
 
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -31,7 +36,10 @@ MAX_GROUP = 3
 @triton.jit
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, N0, N1, N2, K, s0, s1, s2,
                  NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next one launch
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
@@ -65,7 +73,11 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, N
 
 @triton.jit
 def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
+                       PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     n0 = tl.program_id(0) * BLOCK_N
     rm = tl.arange(0, 16)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -84,7 +96,7 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
             k_ok = (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-        if F32_DOT:  # the interpreter (bf16 is unreliable there): exact fp32 products
+        if F32_DOT:  # fp32 inputs (no tf32), and the interpreter (bf16 is unreliable there): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -127,7 +139,10 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         return ys
     b = bias if bias is not None else x  # a valid pointer, never read
     even_k = K % cfg["block_k"] == 0
-    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
+    use_pdl = pdl() and x.is_cuda
+    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
+    if use_pdl:
+        opts["launch_pdl"] = True
     if cfg["kind"] == "gemv":
         assert M == 1, "the gemv kernel takes one row"
         bn = cfg["block_n"]
@@ -141,5 +156,6 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     bn = max(16, cfg["block_n"])
     _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
                                                   HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
-                                                  EVEN_K=even_k, F32_DOT=interpreting(), **opts)
+                                                  EVEN_K=even_k,
+                                                  F32_DOT=interpreting() or x.dtype == torch.float32, **opts)
     return ys
