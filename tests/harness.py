@@ -6,6 +6,7 @@ generate triggers.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -106,3 +107,23 @@ def cache_tensors(cache) -> list[torch.Tensor]:
 
     walk(cache)
     return out
+
+
+@contextlib.contextmanager
+def compiled_with_spy(fn, options, inspect):
+    """(fn compiled with the hybrid backend, explain report, [inspect(gm) for every graph handed to Inductor]): what
+    the passes left for Inductor, graph by graph."""
+    import torch._inductor.compile_fx as cfx
+    seen, real = [], cfx.compile_fx
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        seen.append(inspect(gm))
+        return real(gm, example_inputs, *args, **kwargs)
+    cfx.compile_fx = spy
+    torch._dynamo.reset()
+    try:
+        with collect() as report, torch.no_grad():
+            yield torch.compile(fn, backend="hybrid", options=options), report, seen
+    finally:
+        cfx.compile_fx = real
+        torch._dynamo.reset()

@@ -2,14 +2,12 @@
 unchanged; a graph whose complex values reach an op the pass does not know keeps its complex ops, says which."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import fx
 
-from compiler import collect, zoo
+from compiler import zoo
 from compiler.numerics import rel_err
-from harness import prompt
+from harness import compiled_with_spy, prompt
 
 
 def _complex_nodes(gm: fx.GraphModule) -> list[str]:
@@ -21,23 +19,8 @@ def _complex_nodes(gm: fx.GraphModule) -> list[str]:
     return out
 
 
-@contextlib.contextmanager
 def _compiled(fn, options):
-    """(compiled fn, explain report, complex node names of every graph as it reaches Inductor)."""
-    import torch._inductor.compile_fx as cfx
-    seen, real = [], cfx.compile_fx
-
-    def spy(gm, example_inputs, *args, **kwargs):
-        seen.append(_complex_nodes(gm))
-        return real(gm, example_inputs, *args, **kwargs)
-    cfx.compile_fx = spy
-    torch._dynamo.reset()
-    try:
-        with collect() as report, torch.no_grad():
-            yield torch.compile(fn, backend="hybrid", options=options), report, seen
-    finally:
-        cfx.compile_fx = real
-        torch._dynamo.reset()
+    return compiled_with_spy(fn, options, _complex_nodes)
 
 
 def test_deepseek_v2_rope_lowered_and_logits_unchanged():

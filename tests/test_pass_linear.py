@@ -2,14 +2,13 @@
 hybrid::linear_group (one launch); logits unchanged; computed weights are left alone; the switch turns it off."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from compiler import collect, zoo
+from compiler import zoo
 from compiler.numerics import rel_err
+from harness import compiled_with_spy
 
 
 def _ops(gm: fx.GraphModule) -> list[str]:
@@ -18,23 +17,8 @@ def _ops(gm: fx.GraphModule) -> list[str]:
     return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
 
 
-@contextlib.contextmanager
 def _compiled(fn, options):
-    """(compiled fn, explain report, per graph the linear-like calls that reach Inductor)."""
-    import torch._inductor.compile_fx as cfx
-    seen, real = [], cfx.compile_fx
-
-    def spy(gm, example_inputs, *args, **kwargs):
-        seen.append(_ops(gm))
-        return real(gm, example_inputs, *args, **kwargs)
-    cfx.compile_fx = spy
-    torch._dynamo.reset()
-    try:
-        with collect() as report, torch.no_grad():
-            yield torch.compile(fn, backend="hybrid", options=options), report, seen
-    finally:
-        cfx.compile_fx = real
-        torch._dynamo.reset()
+    return compiled_with_spy(fn, options, _ops)
 
 
 def _notes(report) -> list[str]:
