@@ -7,8 +7,10 @@ CUDA in fp16/bf16 -> Triton, anything else (prefill, bigger batches, the CPU) ->
 
 Siblings that read the same input with bias-free weights (``q_proj`` + ``kv_a_proj_with_mqa``, ``gate_proj`` +
 ``up_proj``, ``q/k/v_proj``) become one ``linear_group`` call: one launch instead of two or three. Only linears
-whose weight is a module parameter are touched (a computed weight is left as it is). It runs after the region
-passes, on the linears they left in the graph; the explain report's note for the graph counts them.
+whose weight is a module parameter are touched (a computed weight is left as it is), only where input, weight
+and result share one dtype (under autocast F.linear's casting stays), and siblings are grouped only when nothing
+between them may write in place. It runs after the region passes, on the linears they left in the graph; the
+explain report's note for the graph counts them.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphs.regions import node_value
+from graphs.regions import is_inplace, node_value
 
 from .base import PassContext
 
@@ -33,10 +35,28 @@ def _parts(n: fx.Node):
         return None
     args = list(n.args) + [None] * (3 - len(n.args))
     x, w, b = args[0], n.kwargs.get("weight", args[1]), n.kwargs.get("bias", args[2])
-    xv, wv = node_value(x), node_value(w)
-    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or wv.dim() != 2:
+    xv, wv, out = node_value(x), node_value(w), node_value(n)
+    if not all(isinstance(v, torch.Tensor) for v in (xv, wv, out)) or wv.dim() != 2:
         return None
+    bv = node_value(b)
+    if not (out.dtype == xv.dtype == wv.dtype) or (isinstance(bv, torch.Tensor) and bv.dtype != xv.dtype):
+        return None  # autocast (or mixed dtypes): F.linear's own casting rules apply
     return x, w, b
+
+
+def _may_mutate(n: fx.Node) -> bool:
+    """Could this node write into a tensor (in place, through an out= argument, or an opaque module call)?"""
+    if n.op == "call_module":
+        return True
+    if n.op not in ("call_function", "call_method"):
+        return False
+    if n.target is operator.setitem or is_inplace(n) or "out" in n.kwargs:
+        return True
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("__"):
+        return True
+    t = n.target
+    return isinstance(t, torch._ops.OpOverloadPacket) and any(getattr(t, o)._schema.is_mutable for o in t.overloads())
 
 
 class DecodeLinear:
@@ -59,13 +79,23 @@ class DecodeLinear:
             else:
                 singles.append(n)
         launches = grouped = 0
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        nodes = list(graph.nodes)
         for members in groups.values():
             for i in range(0, len(members), MAX_GROUP):
                 chunk = members[i:i + MAX_GROUP]
-                if len(chunk) == 1:
-                    singles.append(chunk[0])
+                # one launch computes every member where the first stands: nothing in between may write into
+                # the input or a weight
+                between = nodes[order[chunk[0]] + 1:order[chunk[-1]]]
+                if len(chunk) == 1 or any(map(_may_mutate, between)):
+                    singles.extend(chunk)
                     continue
                 x = _parts(chunk[0])[0]
+                for m in chunk[1:]:  # frozen weights are get_attr nodes placed at their first use: move them up
+                    w = _parts(m)[1]
+                    if w.op == "get_attr" and order[w] > order[chunk[0]]:
+                        chunk[0].prepend(w)
+                        order[w] = order[chunk[0]] - 0.5
                 with graph.inserting_before(chunk[0]):  # the earliest: members are in graph order
                     call = graph.call_function(torch.ops.hybrid.linear_group.default,
                                                (x, [_parts(m)[1] for m in chunk]))

@@ -402,13 +402,24 @@ def test_compile_options_reach_the_backend():
 
 
 def test_step_maps_compiled_equal_eager():
-    """The runner compiles step_maps with Inductor on the GPU: same maps as eager, across widths and batches."""
-    from runtime.engine.model_runner import step_maps
-    compiled = torch.compile(step_maps, dynamic=True)
+    """The runner compiles step_maps with Inductor on the GPU: same maps as eager, across widths and batches, and
+    at most four graphs (the batch and block count are not specialised at 0/1)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from runtime.engine.model_runner import compiled_step_maps, step_maps
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+    torch._dynamo.reset()
+    compiled = compiled_step_maps(backend)
     g = torch.Generator().manual_seed(0)
-    for batch, width, q_len, kv_heads in [(1, 16, 1, 0), (3, 48, 1, 2), (2, 64, 5, 0), (5, 32, 1, 4)]:
+    for batch, blocks, q_len, kv_heads in [(1, 1, 1, 0), (3, 3, 1, 2), (2, 4, 5, 0), (5, 2, 1, 4), (1, 2, 1, 2),
+                                           (2, 1, 1, 0), (1, 1, 7, 0), (4, 1, 1, 2)]:
         bs = 16
-        table = torch.randint(1, 50, (batch, width // bs), generator=g)
+        width = blocks * bs
+        table = torch.randint(1, 50, (batch, blocks), generator=g)
         pads = torch.randint(0, width - q_len, (batch,), generator=g)
         want, got = step_maps(table, pads, width, q_len, bs, kv_heads), compiled(table, pads, width, q_len, bs, kv_heads)
         for w, o in zip(want[:5], got[:5]):
@@ -416,3 +427,4 @@ def test_step_maps_compiled_equal_eager():
         assert (want[5] is None) == (got[5] is None) == (kv_heads == 0)
         if kv_heads:
             assert all(torch.equal(w, o) for w, o in zip(want[5], got[5]))
+    assert len(graphs) <= 4, len(graphs)

@@ -73,3 +73,39 @@ def test_switch_turns_it_off():
     with _compiled(m, {"linear": False}) as (fn, report, seen):
         fn(torch.randn(1, 3, 24))
     assert sorted(o for g in seen for o in g) == ["F.linear"] * 4 and not _notes(report)
+
+
+class _WriteBetween(torch.nn.Module):
+    """q and k read one input, which is written in place between them: they must not run as one launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(24, 16, bias=False)
+        self.k = torch.nn.Linear(24, 8, bias=False)
+
+    def forward(self, x):
+        h = x + 1
+        a = self.q(h)
+        h.mul_(2)
+        return torch.cat([a, self.k(h)], -1)
+
+
+def test_siblings_with_a_write_between_are_not_grouped():
+    m = _WriteBetween().eval()
+    x = torch.randn(1, 3, 24)
+    with torch.no_grad():
+        want = m(x)
+    with _compiled(m, {}) as (fn, report, seen):
+        torch.testing.assert_close(fn(x), want)
+    assert sorted(o for g in seen for o in g) == ["linear", "linear"]
+
+
+def test_autocast_keeps_f_linear():
+    m = _WriteBetween().eval()
+    x = torch.randn(1, 3, 24)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = m(x)
+        with _compiled(m, {}) as (fn, report, seen):
+            got = fn(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert sorted(o for g in seen for o in g) == ["F.linear", "F.linear"]  # fp32 in, bf16 out: not this pass's

@@ -72,9 +72,10 @@ class ModelRunner:
             model.config._attn_implementation = attention.NAME
             self.bool_mask = True
         self.forward = self._compiled(model, compile, freeze_weights, compile_options)
-        # the step's cache maps: a dozen small integer ops, fused into one or two kernels when Inductor is in use
-        self._maps = (torch.compile(step_maps, dynamic=True) if compile in ("hybrid", "hybrid-cudagraphs")
-                      and self.device.type == "cuda" else step_maps)
+        # the step's cache maps: a dozen small integer ops, fused into one or two kernels when Inductor is in use;
+        # at most four graphs (decode / prefill of one token or more x with / without paged-MHA maps)
+        self._maps = (compiled_step_maps() if compile in ("hybrid", "hybrid-cudagraphs") and self.device.type == "cuda"
+                      else step_maps)
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
@@ -370,6 +371,19 @@ def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, b
         slots = torch.where(key < lengths[:, None], table.gather(1, key // bs) * bs + key % bs, 0)
         mha_maps = attention.decode_maps(slots, lengths, kv_heads)
     return gather_idx, writes, keep, lengths.to(torch.int32), table.to(torch.int32), mha_maps
+
+
+def compiled_step_maps(backend="inductor"):
+    """step_maps compiled once for every batch and width: the batch and block-count dims are unbacked (no 0/1
+    specialisation), so at most four graphs exist (one token or more x with / without paged-MHA maps)."""
+    compiled = torch.compile(step_maps, dynamic=True, backend=backend)
+
+    def run(table, pads, *args):
+        for t, dims in ((table, (0, 1)), (pads, (0,))):
+            for d in dims:
+                torch._dynamo.decorators.mark_unbacked(t, d)
+        return compiled(table, pads, *args)
+    return run
 
 
 def _frozen(compiled):

@@ -88,3 +88,11 @@ class _Spy:
     def __getitem__(self, grid):
         self.calls.append(grid)
         return self.kernel[grid]
+
+
+def test_broadcast_bias_takes_f_linear(monkeypatch):
+    import runtime.ops  # noqa: F401
+    monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    x, (w,) = _data((8,), 64, 1, torch.bfloat16, 9)
+    bias = torch.arange(8.0).to(DEV, torch.bfloat16)[:1]  # F.linear broadcasts a [1] bias
+    assert torch.equal(torch.ops.hybrid.linear(x, w, bias), F.linear(x, w, bias))

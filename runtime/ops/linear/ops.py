@@ -22,7 +22,7 @@ def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor]) -> Op
         return None
     if any(w.dtype != x.dtype or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device for w in weights):
         return None
-    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1):
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != weights[0].shape[:1] or bias.stride(0) != 1):
         return None
     K = x.shape[-1]
     if K == 0 or pick_config(x.numel() // K, [w.shape[0] for w in weights], K) is None:
