@@ -428,3 +428,18 @@ def test_step_maps_compiled_equal_eager():
         if kv_heads:
             assert all(torch.equal(w, o) for w, o in zip(want[5], got[5]))
     assert len(graphs) <= 4, len(graphs)
+
+
+def test_step_maps_fall_back_to_eager_when_compiling_fails():
+    from runtime.engine.model_runner import compiled_step_maps, step_maps
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+    torch._dynamo.reset()
+    run = compiled_step_maps(broken)
+    table, pads = torch.tensor([[3, 4]]), torch.tensor([5])
+    with pytest.warns(UserWarning, match="compiling the step's cache maps failed"):
+        got = run(table, pads, 32, 1, 16, 0)
+    want = step_maps(table, pads, 32, 1, 16, 0)
+    assert all(torch.equal(a, b) for a, b in zip(got[:5], want[:5]))
+    assert all(torch.equal(a, b) for a, b in zip(run(table, pads, 32, 1, 16, 0)[:5], want[:5]))  # eager from now on

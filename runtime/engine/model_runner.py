@@ -375,14 +375,25 @@ def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, b
 
 def compiled_step_maps(backend="inductor"):
     """step_maps compiled once for every batch and width: the batch and block-count dims are unbacked (no 0/1
-    specialisation), so at most four graphs exist (one token or more x with / without paged-MHA maps)."""
+    specialisation), so at most four graphs exist (one token or more x with / without paged-MHA maps). Should
+    compiling fail on some stack, the maps run eagerly from then on (slower, same values) and a warning says why."""
     compiled = torch.compile(step_maps, dynamic=True, backend=backend)
+    eager = []
 
     def run(table, pads, *args):
+        if eager:
+            return step_maps(table, pads, *args)
         for t, dims in ((table, (0, 1)), (pads, (0,))):
             for d in dims:
                 torch._dynamo.decorators.mark_unbacked(t, d)
-        return compiled(table, pads, *args)
+        try:
+            return compiled(table, pads, *args)
+        except Exception as e:  # noqa: BLE001  (a compiler failure must not stop generation)
+            import warnings
+            warnings.warn(f"hybrid engine: compiling the step's cache maps failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); they run eagerly", stacklevel=2)
+            eager.append(True)
+            return step_maps(table, pads, *args)
     return run
 
 
