@@ -1,7 +1,7 @@
 """Linear layers at one row (decode at batch 1): y = x @ w^T (+ bias), x [1, K], w [N, K].
 
 At decode a linear layer's time is its weight's bytes over the memory bandwidth, plus a fixed cost per kernel.
-For the mid-sized projections of these models (2-50 MB) cuBLAS's one-row kernels reach 10-70% of 4.3 TB/s on the
+For the mid-sized projections of these models (2-52 MB) cuBLAS's one-row kernels reach 9-72% of 4.3 TB/s on the
 H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-30_linear_h200.md). Here:
 
 - ``_gemv_kernel``: each program owns BLOCK_N output columns and streams their [BLOCK_N, K] slab of the weight
