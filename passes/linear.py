@@ -70,6 +70,7 @@ class DecodeLinear:
                  and (p[2] is None or p[2] in weights)]
         if not found:
             return 0
+        parts = dict(found)
         groups: dict[tuple, list[fx.Node]] = {}
         singles = []
         for n, (x, w, b) in found:
@@ -90,15 +91,15 @@ class DecodeLinear:
                 if len(chunk) == 1 or any(map(_may_mutate, between)):
                     singles.extend(chunk)
                     continue
-                x = _parts(chunk[0])[0]
+                x = parts[chunk[0]][0]
                 for m in chunk[1:]:  # frozen weights are get_attr nodes placed at their first use: move them up
-                    w = _parts(m)[1]
+                    w = parts[m][1]
                     if w.op == "get_attr" and order[w] > order[chunk[0]]:
                         chunk[0].prepend(w)
                         order[w] = order[chunk[0]] - 0.5
                 with graph.inserting_before(chunk[0]):  # the earliest: members are in graph order
                     call = graph.call_function(torch.ops.hybrid.linear_group.default,
-                                               (x, [_parts(m)[1] for m in chunk]))
+                                               (x, [parts[m][1] for m in chunk]))
                     call.meta["example_value"] = [node_value(m) for m in chunk]
                 for j, m in enumerate(chunk):
                     with graph.inserting_before(m):
@@ -109,7 +110,7 @@ class DecodeLinear:
                 launches += 1
                 grouped += len(chunk)
         for m in singles:
-            x, w, b = _parts(m)
+            x, w, b = parts[m]
             with graph.inserting_before(m):
                 call = graph.call_function(torch.ops.hybrid.linear.default, (x, w, b))
             call.meta.update(m.meta)
