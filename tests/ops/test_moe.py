@@ -69,10 +69,11 @@ def test_route_triton_bf16_logits_without_bias():
 
 
 @pytest.mark.parametrize("dtype,router_fp32", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
-@pytest.mark.parametrize("T,E,H", [(1, 64, 200), (37, 10, 50), (17, 6, 130)])
+@pytest.mark.parametrize("T,E,H", [(1, 64, 200), (3, 10, 600), (37, 10, 50), (17, 6, 130)])
 def test_router_logits_triton_matches_reference(T, E, H, dtype, router_fp32):
     """The router GEMM in Triton = reference.router_logits: fp32 logits, or rounded to x's dtype (one step of
-    that dtype apart at most: another summation order). H crosses the K tiles, E is not a multiple of 16."""
+    that dtype apart at most: another summation order). H crosses the K tiles, E is not a multiple of 16; T <= 4
+    takes the matrix-vector kernel."""
     x = randn(T, H, dtype=dtype)
     w = randn(E, H, scale=H ** -0.5, dtype=dtype)
     got = kernels.router_logits_triton(x, w, router_fp32)

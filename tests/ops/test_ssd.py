@@ -116,6 +116,13 @@ def test_ssd_state_update_vs_hf():
     close(ssd_state_update_triton(s_tri, *args), y_hf, 1e-5)
     close(s_ref, s_hf, 1e-6)
     close(s_tri, s_hf, 1e-6)
+    # A given as HF's A_log parameter (A = -exp(A_log), computed in the kernel): same step
+    a_log = torch.log(-A)
+    s_ref2, s_tri2 = state.clone(), state.clone()
+    args_log = (x, dt, a_log, Bm, Cm, Dk, None, db, True, 0.0, INF, None, True)
+    close(ref.ssd_state_update_ref(s_ref2, *args_log), y_hf, 1e-5)
+    close(ssd_state_update_triton(s_tri2, *args_log), y_hf, 1e-5)
+    close(s_tri2, s_hf, 1e-6)
 
 
 def test_ssd_state_update_slots():

@@ -131,8 +131,8 @@ def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor
                                                 None)
     xbc = _masked(xbc[:, None], mask)[:, 0]
     x, b, c = torch.split(xbc, [d_inner, groups * n, groups * n], dim=-1)
-    y = torch.ops.hybrid.ssd_state_update(ssm_state, x.reshape(bsz, heads, head_dim), dt,
-                                          -torch.exp(A_log.float()), b.reshape(bsz, groups, n),
-                                          c.reshape(bsz, groups, n), D, None, dt_bias, True, 0.0, float("inf"), None)
+    y = torch.ops.hybrid.ssd_state_update(ssm_state, x.reshape(bsz, heads, head_dim), dt, A_log,
+                                          b.reshape(bsz, groups, n), c.reshape(bsz, groups, n), D, None, dt_bias,
+                                          True, 0.0, float("inf"), None, True)
     y = torch.ops.hybrid.gated_rms_norm(y.reshape(bsz, 1, d_inner), gate[:, None], norm_w, eps, norm_group)
     return torch.ops.hybrid.linear(y.to(hidden.dtype), out_proj_w, out_proj_b)

@@ -65,10 +65,10 @@ def _ssd_scan(
 def _ssd_state_update(
     state: Tensor, x: Tensor, dt: Tensor, A: Tensor, Bm: Tensor, Cm: Tensor, D: Optional[Tensor],
     z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float,
-    state_indices: Optional[Tensor],
+    state_indices: Optional[Tensor], A_is_log: bool = False,
 ) -> Tensor:
     fn = kernels.ssd_state_update_triton if use_triton(x) else reference.ssd_state_update_ref
-    return fn(state, x, dt, A, Bm, Cm, D, z, dt_bias, dt_softplus, dt_min, dt_max, state_indices)
+    return fn(state, x, dt, A, Bm, Cm, D, z, dt_bias, dt_softplus, dt_min, dt_max, state_indices, A_is_log)
 
 
 @torch.library.triton_op(op_name("gated_rms_norm"), mutates_args=())
@@ -114,10 +114,11 @@ def ssd_scan(x, dt, A, Bm, Cm, chunk_size=256, D=None, z=None, dt_bias=None, dt_
 
 
 def ssd_state_update(state, x, dt, A, Bm, Cm, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=0.0,
-                     dt_max=float("inf"), state_indices=None):
-    """Mamba2 decode: state [S, H, P, N] updated in place; x [B, H, P], dt [B, H], B/C [B, G, N]."""
+                     dt_max=float("inf"), state_indices=None, A_is_log=False):
+    """Mamba2 decode: state [S, H, P, N] updated in place; x [B, H, P], dt [B, H], B/C [B, G, N]; A [H] (or
+    HF's A_log with A_is_log: A = -exp(A_log))."""
     return torch.ops.hybrid.ssd_state_update(state, x, dt, A, Bm, Cm, D, z, dt_bias, dt_softplus, dt_min,
-                                             dt_max, state_indices)
+                                             dt_max, state_indices, A_is_log)
 
 
 def gated_rms_norm(x, z, weight, eps=1e-6, group_size=None):

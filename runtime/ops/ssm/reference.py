@@ -291,9 +291,11 @@ def ssd_state_update_ref(
     dt_min: float,
     dt_max: float,
     state_indices: torch.Tensor | None,
+    A_is_log: bool = False,  # A holds A_log: A = -exp(A_log)
 ) -> torch.Tensor:
     nheads = x.shape[1]
     rep = nheads // Bm.shape[1]
+    A = -torch.exp(A.float()) if A_is_log else A
     slots, valid = _slots(state_indices, x.shape[0], x.device)
     dtf = _dt(dt, dt_bias, dt_softplus).clamp(min=dt_min, max=dt_max)  # [B, H]
     xf = x.float()

@@ -346,7 +346,7 @@ def _ssd_state_update_kernel(
     sss, ssh, ssp, ssn, sxb, sxh, sxp, sdtb, sdth, sBb, sBg, sBn, sCb, sCg, sCn, szb, szh, szp,
     syb, syh, syp,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_IDX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDX: tl.constexpr, A_LOG: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -367,7 +367,10 @@ def _ssd_state_update_kernel(
     s_ptrs = st_ptr + slot * sss + h * ssh + offs_p[:, None] * ssp + offs_n[None, :] * ssn
     s = tl.load(s_ptrs, mask=mpn, other=0.0).to(tl.float32)
     dt = _process_dt(tl.load(dt_ptr + row * sdtb + h * sdth), db_ptr, h, dt_min, dt_max, HAS_DB, SOFTPLUS)
-    dA = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+    a = tl.load(A_ptr + h).to(tl.float32)
+    if A_LOG:  # A given as HF's A_log parameter: A = -exp(A_log), here rather than in a kernel of its own
+        a = -tl.exp(a)
+    dA = tl.exp(dt * a)
     x = tl.load(x_ptr + row * sxb + h * sxh + offs_p * sxp, mask=mp, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + row * sBb + g * sBg + offs_n * sBn, mask=mn, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + row * sCb + g * sCg + offs_n * sCn, mask=mn, other=0.0).to(tl.float32)
@@ -396,6 +399,7 @@ def ssd_state_update_triton(
     dt_min: float,
     dt_max: float,
     state_indices: torch.Tensor | None,  # [B] int32, -1 = pad row
+    A_is_log: bool = False,  # A holds A_log: A = -exp(A_log)
 ) -> torch.Tensor:
     bsz, nheads, hdim = x.shape
     ngroups, dstate = Bm.shape[1], Bm.shape[2]
@@ -416,6 +420,6 @@ def ssd_state_update_triton(
         Cm.stride(1), Cm.stride(2), zz.stride(0), zz.stride(1), zz.stride(2), y.stride(0), y.stride(1),
         y.stride(2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DB=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        HAS_IDX=state_indices is not None, BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"],
+        HAS_IDX=state_indices is not None, A_LOG=bool(A_is_log), BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"],
     )
     return y
