@@ -182,27 +182,25 @@ def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, s
 
 
 @triton.jit
-def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stride_re, stride_rh,
-                        BLOCK_E: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
-    """One token's logits for BLOCK_E experts on the CUDA cores (fp32 products of the widened operands, exact for
-    16-bit inputs): at a few tokens the router is a matrix-vector product, and a [16, 16] tensor-core tile per
-    program would leave all but E / 16 SMs idle."""
+def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stride_re, stride_rh, BK: tl.constexpr,
+                        ROUND: tl.constexpr):
+    """One (token, expert) logit on the CUDA cores (fp32 products of the widened operands, exact for 16-bit
+    inputs): at a few tokens the router is a matrix-vector product, and a [16, 16] tensor-core tile per program
+    would leave all but E / 16 SMs idle."""
     t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    cmask = cols < E
+    e = tl.program_id(1)
     ks = tl.arange(0, BK)
-    acc = tl.zeros([BLOCK_E, BK], dtype=tl.float32)
+    acc = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, H, BK):
         kk = k0 + ks
         km = kk < H
         xv = tl.load(x_ptr + t * stride_xt + kk * stride_xh, mask=km, other=0.0).to(tl.float32)
-        wt = tl.load(rw_ptr + cols[:, None] * stride_re + kk[None, :] * stride_rh, mask=cmask[:, None] & km[None, :],
-                     other=0.0).to(tl.float32)
-        acc += wt * xv[None, :]
-    logit = tl.sum(acc, axis=1)
+        wv = tl.load(rw_ptr + e * stride_re + kk * stride_rh, mask=km, other=0.0).to(tl.float32)
+        acc += wv * xv
+    logit = tl.sum(acc, axis=0)
     if ROUND:
         logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + t * E + cols, logit, mask=cmask)
+    tl.store(out_ptr + t * E + e, logit)
 
 
 @triton.jit
@@ -338,20 +336,20 @@ def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: b
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0:
         return logits
+    rnd = not router_fp32 and x.dtype != torch.float32  # F.linear(x, w.to(x.dtype)) rounds to x.dtype
+    if bucket_for(T) <= ROUTER_GEMV_MAX_T:  # a few tokens (a bucket bound: no guard of its own): one matrix-vector
+        # product per token, one program per expert (DeepSeek-V2-Lite's 64 x 2048 router on the H200: 2.6 us a
+        # call; 4.2 us with 4 experts per program; 6.0 us for the [16, 16] tensor-core tiles)
+        _launch(_router_gemv_kernel)[(T, E)](
+            x, router_w, logits, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
+            BK=512, ROUND=rnd, num_warps=4, num_stages=3)
+        return logits
     if router_fp32:  # F.linear(x.float(), w.float()): 16-bit operands of one dtype multiply exactly in fp32
         dot_dtype = torch.float32 if x.dtype == torch.float32 or router_w.dtype != x.dtype else x.dtype
     else:  # F.linear(x, w.to(x.dtype)), rounded to x.dtype
         dot_dtype = x.dtype
     if _cast_f32(dot_dtype):
         dot_dtype = torch.float32
-    rnd = not router_fp32 and x.dtype != torch.float32
-    if bucket_for(T) <= ROUTER_GEMV_MAX_T:  # a few tokens (a bucket bound: no guard of its own): one matrix-vector
-        # product per token, one program per expert (DeepSeek-V2-Lite's 64 x 2048 router on the H200: 2.6 us a
-        # call; 4.2 us with 4 experts per program; 6.0 us for the [16, 16] tensor-core tiles)
-        _launch(_router_gemv_kernel)[(T, E)](
-            x, router_w, logits, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
-            BLOCK_E=1, BK=512, ROUND=rnd, num_warps=4, num_stages=3)
-        return logits
     _launch(_router_gemm_kernel)[(triton.cdiv(T, 16), triton.cdiv(E, 16))](
         x, router_w, logits, T, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
         BLOCK_T=16, BLOCK_E=16, BK=128, DOT_DTYPE=_TL_DTYPE[dot_dtype], IEEE=dot_dtype == torch.float32,
