@@ -317,6 +317,25 @@ def test_cuda_graph_decode_matches_hf_generate(name):
     assert [o.token_ids for o in outs] == ref
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["llama", "mamba2"])
+def test_recorded_steps_advance_their_own_inputs(name):
+    """A decode step running ahead of a replay of the same graph (same sequences and blocks) replays on the
+    inputs that replay left (ids, positions + 1, padding - 1): tokens equal HF's across block and width
+    changes (block_size=4, 40 tokens), and most steps took that path."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    model = zoo.build(name, device="cuda")
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
+    for batch in ([prompts[0]], prompts):
+        engine = Engine(model, compile=None, bucket_decode=True, max_num_seqs=4, block_size=4)
+        engine.runner.graphs_enabled = True
+        outs = engine.generate(batch, SamplingParams(max_tokens=40))
+        assert [o.token_ids for o in outs] == ref[:len(batch)]
+        assert engine.runner.advanced_steps >= engine.stats["decode_steps"] // 4 > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels in recorded steps need a GPU")
 @pytest.mark.parametrize("name", ["deepseek_v2", "jamba"])
 def test_compiled_cuda_graph_engine_matches_hf_generate(name):

@@ -86,6 +86,9 @@ class ModelRunner:
         # pinned host buffers for sampled ids, used in turn (a step and the one running ahead of it)
         self._host_ids: list[torch.Tensor | None] = [None, None, None]
         self._ring = 0
+        #: what the last replayed graph's static input holds now (``_replay_decode``), None after other steps
+        self._advanced: tuple | None = None
+        self.advanced_steps = 0  # decode steps replayed on inputs the previous replay left (no upload)
         self.wait_s = 0.0  # host time spent waiting for the device (events; sampled batches' reads are not counted)
 
     @staticmethod
@@ -156,55 +159,61 @@ class ModelRunner:
         same sequences, not finished yet) the step runs one token ahead of the host: each sequence's input is
         the token ``ahead`` sampled, still on the device, at the position after it."""
         self.apply_moves(step.moves)
+        n = len(step.seqs)
         if step.kind == "prefill":
             assert ahead is None, "only decode steps run ahead"
-            (seq,), (n,) = step.seqs, step.num_tokens
+            (seq,), (q_len,) = step.seqs, step.num_tokens
             start = seq.num_cached
-            ids, positions = seq.tokens[start:start + n], list(range(start, start + n))
-            lengths, pad, rows, q_len = [start + n], 0, None, n
+            ids, positions = seq.tokens[start:start + q_len], list(range(start, start + q_len))
+            lengths, pad, rows = [start + q_len], 0, None
         else:
             shift = 0 if ahead is None else 1
-            pad = decode_bucket(len(step.seqs)) - len(step.seqs) if self.bucket_decode else 0
-            ids = [s.last_token for s in step.seqs] + [0] * pad  # placeholders when the ids come from ``ahead``
-            positions = [len(s) - 1 + shift for s in step.seqs] + [0] * pad
-            lengths, rows, q_len = [len(s) + shift for s in step.seqs], len(step.seqs) + pad, 1
+            pad = decode_bucket(n) - n if self.bucket_decode else 0
+            lengths, rows, q_len = [len(s) + shift for s in step.seqs], n + pad, 1
             if self.cache.states:
                 slots = [s.state_slot for s in step.seqs]
-                assert slots == list(range(len(slots))), f"decode batch must be state rows 0..n-1, got {slots}"
+                assert slots == list(range(n)), f"decode batch must be state rows 0..n-1, got {slots}"
         batch = rows or 1
-        if self.cache.attention:
-            width, table, pads = self._layout(step, lengths, pad)
-            host = [ids, positions, table, pads]
-        else:
-            width, host = 0, [ids, positions]
-        device_ids = None if ahead is None else ahead.tokens
+        width = self._width(step.kind, lengths) if self.cache.attention else 0
         greedy = None
         if step.kind == "decode" and self.graphs_enabled:
-            logits, greedy = self._replay(batch, width, host, device_ids)
+            logits, greedy = self._replay_decode(step, ahead, batch, width, lengths, pad)
         else:
-            inputs = self._upload(host)
-            if device_ids is not None:
-                inputs[0][:device_ids.numel()].copy_(device_ids)
+            self._advanced = None
+            if step.kind == "decode":
+                ids = [s.last_token for s in step.seqs] + [0] * pad  # placeholders when the ids come from ``ahead``
+                positions = [x - 1 for x in lengths] + [0] * pad
+            inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions))
+            if ahead is not None:
+                inputs[0][:ahead.tokens.numel()].copy_(ahead.tokens)
             logits = self._forward(step.kind, q_len, width, batch, rows, inputs)
-        logits = logits[:len(step.seqs), -1]
         if step.kind == "prefill" and self.cache.states:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
-        for seq, n in zip(step.seqs, step.num_tokens):
-            seq.num_cached += n
+        for seq, k in zip(step.seqs, step.num_tokens):
+            seq.num_cached += k
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
-        return self._sample_async(Pending(step, done), logits, None if greedy is None else greedy[:len(step.seqs)])
+        return self._sample_async(Pending(step, done), logits, greedy)
+
+    def _host_inputs(self, step: Step, width: int, lengths: list[int], pad: int, ids: list[int],
+                     positions: list[int]) -> list[list[int]]:
+        """The step's integer inputs as host lists: ids, positions and, with attention layers, the flat block
+        table and left padding per row (``_layout``)."""
+        if not self.cache.attention:
+            return [ids, positions]
+        return [ids, positions, *self._layout(step, width, lengths, pad)]
 
     def _sample_async(self, pending: "Pending", logits: torch.Tensor, ids: torch.Tensor | None) -> "Pending":
         """Greedy batches: argmax on the device (``ids``: already taken inside a recorded step) and an
         asynchronous copy of the ids to pinned host memory (nothing waits until ``finish``). Other batches
-        keep their logits for ``sample`` in ``finish``."""
+        keep their logits for ``sample`` in ``finish``. ``logits`` and ``ids`` may hold padding rows."""
         if not any(pending.done):
             return pending
+        n = len(pending.step.seqs)
         if not all(pending.done) or any(s.params.temperature != 0.0 for s in pending.step.seqs):
-            pending.logits = logits
+            pending.logits = logits[:n, -1]
             return pending
-        pending.tokens = greedy_ids(logits) if ids is None else ids
+        pending.tokens = greedy_ids(logits[:n, -1]) if ids is None else ids[:n]
         if self.device.type == "cuda":
             self._ring = (self._ring + 1) % len(self._host_ids)
             host = self._host_ids[self._ring]
@@ -254,48 +263,71 @@ class ModelRunner:
             return self.forward(inputs[0].view(batch, q_len), **kwargs).logits
 
     # -- CUDA graphs of decode steps ------------------------------------------------------------------
-    def _replay(self, batch: int, width: int, host: list[list[int]], device_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay_decode(self, step: Step, ahead: "Pending | None", batch: int, width: int, lengths: list[int],
+                       pad: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step as a CUDA graph replay, recorded on first use of a (batch bucket, width): (logits,
-        greedy ids, both taken in the graph). The first ids come from ``device_ids`` when given (a step that
-        runs ahead)."""
-        entry = self._graphs.get((batch, width))
-        if entry is None:
-            try:
-                entry = self._capture(batch, width, host, device_ids)
-            except Exception as e:  # noqa: BLE001  (uncapturable model: run it uncaptured, say why)
-                import warnings
-                warnings.warn(f"hybrid engine: CUDA graph capture failed ({type(e).__name__}: {e}); decode steps "
-                              "run without CUDA graphs", stacklevel=2)
-                self.graphs_enabled = False
-                inputs = self._upload(host)
-                if device_ids is not None:
-                    inputs[0][:device_ids.numel()].copy_(device_ids)
-                return self._forward("decode", 1, width, batch, batch, inputs), None
+        greedy ids, both taken in the graph).
+
+        A recorded step ends by advancing its own static inputs to the step after it: ids <- the greedy ids,
+        positions + 1 and left padding - 1 on the real rows. A step running ahead of the previous replay of the
+        same graph, with the same sequences and the same blocks (hence the same block table), finds its inputs
+        already there and is a bare ``replay()``: no host-to-device copy. Any other step uploads its inputs."""
+        key = (batch, width)
+        state = (key, tuple(s.request_id for s in step.seqs), tuple(lengths),
+                 tuple(len(s.blocks) for s in step.seqs) if self.cache.attention else ())
+        entry = self._graphs.get(key)
+        if entry is not None and ahead is not None and self._advanced == state:
+            self.advanced_steps += 1
+        else:
+            n = len(step.seqs)
+            ids = [s.last_token for s in step.seqs] + [0] * pad  # placeholders when the ids come from ``ahead``
+            positions = [x - 1 for x in lengths] + [0] * pad
+            host = self._host_inputs(step, width, lengths, pad, ids, positions) + [[1] * n + [0] * pad]
+            device_ids = None if ahead is None else ahead.tokens
+            if entry is None:
+                try:
+                    entry = self._capture(batch, width, host, device_ids)
+                except Exception as e:  # noqa: BLE001  (uncapturable model: run it uncaptured, say why)
+                    import warnings
+                    warnings.warn(f"hybrid engine: CUDA graph capture failed ({type(e).__name__}: {e}); decode "
+                                  "steps run without CUDA graphs", stacklevel=2)
+                    self.graphs_enabled = False
+                    self._advanced = None
+                    inputs = self._upload(host)
+                    if device_ids is not None:
+                        inputs[0][:device_ids.numel()].copy_(device_ids)
+                    return self._forward("decode", 1, width, batch, batch, inputs), None
+            self._upload(host, out=entry[0])
+            if device_ids is not None:  # ids are the first segment of the static input
+                entry[0][:device_ids.numel()].copy_(device_ids)
         static_in, graph, out = entry
-        self._upload(host, out=static_in)
-        if device_ids is not None:  # ids are the first segment of the static input
-            static_in[:device_ids.numel()].copy_(device_ids)
         graph.replay()
+        self._advanced = (key, state[1], tuple(x + 1 for x in lengths), state[3])
         return out
 
     def _capture(self, batch: int, width: int, host: list[list[int]], device_ids: torch.Tensor | None = None):
         sizes = [len(x) for x in host]
         static_in = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
-        self._upload(host, out=static_in)
-        if device_ids is not None:  # the warm-up runs write the cache: with the step's real ids
-            static_in[:device_ids.numel()].copy_(device_ids)
         inputs = list(static_in.split(sizes))
+        advance = inputs.pop()  # 1 on real rows, 0 on padding rows
 
         def body():
             logits = self._forward("decode", 1, width, batch, batch, inputs)
-            return logits, greedy_ids(logits[:, -1])
+            ids = greedy_ids(logits[:, -1])
+            inputs[0].copy_(ids)  # the next step's inputs, should it run ahead (``_replay_decode``)
+            inputs[1].add_(advance)
+            if self.cache.attention:
+                inputs[3].sub_(advance)
+            return logits, ids
         # warm-up runs (compilation happens here) update SSM states in place: put them back afterwards
         saved = [(l.conv_buf[:batch].clone(), l.ssm_buf[:batch].clone()) for l in self.cache.states]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(2):  # each with the step's real inputs: the warm-up runs write the cache
+                self._upload(host, out=static_in)
+                if device_ids is not None:
+                    inputs[0][:device_ids.numel()].copy_(device_ids)
                 body()
         torch.cuda.current_stream().wait_stream(side)
         for layer, (conv, ssm) in zip(self.cache.states, saved):
@@ -309,23 +341,26 @@ class ModelRunner:
         self._graphs[(batch, width)] = (static_in, graph, out)
         return static_in, graph, out
 
-    def _layout(self, step: Step, lengths: list[int], pad_rows: int) -> tuple[int, list[int], list[int]]:
-        """(keys per row, flat block table [rows x width/block], left padding per row) of a step.
-
-        Row b attends to ``width`` keys, left-padded: key j holds position j - pad[b]. Padding rows (CUDA-graph
-        buckets) see one key, in the reserved block 0.
-        """
+    def _width(self, kind: str, lengths: list[int]) -> int:
+        """Keys per row of a step: the longest context in whole blocks (a power of two of them for a bucketed
+        decode step: few graph shapes)."""
         bs = self.blocks.block_size
-        width = -(-max(lengths) // bs) * bs  # keys per row, padded to whole blocks
-        if self.bucket_decode and step.kind == "decode":
-            width = max(bs, 1 << (width - 1).bit_length())  # power-of-two widths: few graph shapes
-        nb = width // bs
+        width = -(-max(lengths) // bs) * bs
+        if self.bucket_decode and kind == "decode":
+            width = max(bs, 1 << (width - 1).bit_length())
+        return width
+
+    def _layout(self, step: Step, width: int, lengths: list[int], pad_rows: int) -> tuple[list[int], list[int]]:
+        """(flat block table [rows x width/block], left padding per row) of a step whose rows attend to
+        ``width`` keys, left-padded: key j holds position j - pad[b]. Padding rows (CUDA-graph buckets) see
+        one key, in the reserved block 0."""
+        nb = width // self.blocks.block_size
         table = []
         for s in step.seqs:
             own = s.blocks[:nb]
             table += own + [0] * (nb - len(own))
         table += [0] * (nb * pad_rows)
-        return width, table, [width - n for n in lengths] + [width - 1] * pad_rows
+        return table, [width - n for n in lengths] + [width - 1] * pad_rows
 
     def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None):
         """Bind the step's cache maps, built on the device from the block table; returns the attention mask
