@@ -10,6 +10,7 @@ as nano-vllm and vLLM do; prefills stay uncaptured.
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import time
 from dataclasses import dataclass
@@ -311,14 +312,10 @@ class ModelRunner:
         inputs = list(static_in.split(sizes))
         advance = inputs.pop()  # 1 on real rows, 0 on padding rows
 
-        def body():
+        def body():  # ends by moving the inputs to the next step, should it run ahead (``_replay_decode``)
             logits = self._forward("decode", 1, width, batch, batch, inputs)
-            ids = greedy_ids(logits[:, -1])
-            inputs[0].copy_(ids)  # the next step's inputs, should it run ahead (``_replay_decode``)
-            inputs[1].add_(advance)
-            if self.cache.attention:
-                inputs[3].sub_(advance)
-            return logits, ids
+            pads = inputs[3] if self.cache.attention else None
+            return logits, greedy_ids(logits[:, -1], (inputs[0], inputs[1], pads, advance))
         # warm-up runs (compilation happens here) update SSM states in place: put them back afterwards
         saved = [(l.conv_buf[:batch].clone(), l.ssm_buf[:batch].clone()) for l in self.cache.states]
         side = torch.cuda.Stream()
@@ -339,6 +336,10 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = body()
         self._graphs[(batch, width)] = (static_in, graph, out)
+        # what exists now (compiled code, dynamo caches, the model) lives as long as the engine: out of the
+        # collector's full passes, which would otherwise walk it between decode steps (vLLM does the same)
+        gc.collect()
+        gc.freeze()
         return static_in, graph, out
 
     def _width(self, kind: str, lengths: list[int]) -> int:

@@ -52,7 +52,9 @@ def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [2048], 2048) == kernels.GEMV
     assert pick_config(1, [102400], 2048) == kernels.DOT_BIG
     assert pick_config(1, [3072, 576], 2048) == kernels.GEMV
-    assert pick_config(2, [2048], 2048) is None          # more rows: cuBLAS
+    assert pick_config(2, [2048], 2048) is None          # more rows: cuBLAS, except lm_head-sized weights
+    assert pick_config(8, [102400], 2048) == kernels.DOT_BIG
+    assert pick_config(17, [102400], 2048) is None      # the dot kernel's tile holds 16 rows
     assert pick_config(1, [2048], 10944) is None         # long K wants a split-K: cuBLAS
     assert pick_config(1, [64] * 4, 256) is None         # at most three weights per launch
 

@@ -32,3 +32,18 @@ def test_argmax_strided_rows_and_many_rows(monkeypatch):
     rows = base[:, 1]                            # row stride 3 * 999
     assert torch.equal(argmax_triton(rows), rows.argmax(-1))
     assert argmax_triton(rows[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("pads", [True, False])
+def test_argmax_advances_the_next_steps_inputs(pads):
+    """advance=(ids, positions, pads, step): ids <- argmax, positions += step, pads -= step (step 0 on padding rows)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 1000, generator=g).to(DEV)
+    ids, pos = torch.randint(0, 9, (5,), generator=g).to(DEV), torch.randint(0, 99, (5,), generator=g).to(DEV)
+    pad = torch.randint(0, 9, (5,), generator=g).to(DEV) if pads else None
+    step = torch.tensor([1, 1, 1, 0, 0], device=DEV)
+    want_pos = pos + step
+    want_pad = pad - step if pads else None
+    got = argmax_triton(logits, (ids, pos, pad, step))
+    assert torch.equal(got, logits.argmax(-1)) and torch.equal(ids, got) and torch.equal(pos, want_pos)
+    assert not pads or torch.equal(pad, want_pad)

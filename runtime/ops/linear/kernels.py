@@ -8,8 +8,8 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
   once, BLOCK_K at a time (products and a row sum on the CUDA cores, fp32). Small BLOCK_N gives every SM several
   programs, so no split-K. Up to three weights that share the input run in one launch (``q_proj`` +
   ``kv_a_proj``, ``gate_proj`` + ``up_proj``, ``q/k/v_proj``): one kernel's fixed cost instead of three.
-- ``_skinny_dot_kernel``: the row padded to a 16-row tensor-core tile, wider BLOCK_N; faster for weights of
-  40 MB and more (lm_head).
+- ``_skinny_dot_kernel``: the row (or up to 16 rows) in a 16-row tensor-core tile, wider BLOCK_N; faster for
+  weights of 40 MB and more at one row, and for lm_head-sized weights (128 MB and more) at up to 16 rows.
 
 On Hopper both launch with programmatic dependent launch (``library.pdl``): a kernel may be scheduled while the
 one before it drains; it waits (``gdc_wait``) before its first load.
@@ -114,12 +114,18 @@ DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 
 
 def pick_config(M: int, Ns: list[int], K: int) -> dict | None:
-    """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS."""
-    if M != 1 or K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP:
+    """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS.
+    2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
+    (``bench/linear.py --sweep``); below that cuBLAS is as fast."""
+    if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP:
+        return None
+    nbytes = Ns[0] * K * 2
+    if 1 < M <= 16 and len(Ns) == 1 and nbytes >= 128 << 20:
+        return DOT_BIG
+    if M != 1:
         return None
     if len(Ns) > 1:
         return GEMV
-    nbytes = Ns[0] * K * 2
     return DOT_BIG if nbytes >= 128 << 20 else DOT_MID if nbytes >= 40 << 20 else GEMV
 
 

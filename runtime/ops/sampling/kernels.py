@@ -40,20 +40,31 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOC
 
 
 @triton.jit
-def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, NCH, NCH_P: tl.constexpr):
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, NCH, NCH_P: tl.constexpr,
+                        ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, NCH_P)
     ok = offs < NCH
     v = tl.load(val_ptr + b * NCH + offs, mask=ok, other=float("-inf"))
     m = tl.max(v, 0)
     first = tl.min(tl.where(ok & (v == m), offs, NCH_P), 0)  # first chunk holding the max
-    i = tl.load(idx_ptr + b * NCH + first)
-    tl.store(out_ptr + b, i.to(tl.int64))
+    i = tl.load(idx_ptr + b * NCH + first).to(tl.int64)
+    tl.store(out_ptr + b, i)
+    if ADVANCE:  # the next decode step's inputs (see argmax_triton)
+        step = tl.load(step_ptr + b)
+        tl.store(ids_ptr + b, i)
+        tl.store(pos_ptr + b, tl.load(pos_ptr + b) + step)
+        if HAS_PADS:
+            tl.store(pad_ptr + b, tl.load(pad_ptr + b) - step)
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, advance: tuple | None = None) -> torch.Tensor:
     """logits [B, V] (fp16 / bf16 / fp32: compared in fp32; the last dim contiguous) -> int64 [B]:
-    torch.argmax(logits, -1)."""
+    torch.argmax(logits, -1).
+
+    ``advance`` = (ids, positions, pads or None, step), int64 [B] each: also moves a decode step's inputs to the
+    next step in the same kernel: ids <- the argmax, positions += step, pads -= step (step: 1 on real rows, 0 on
+    padding rows)."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, f"logits must be [B, V] rows, got {tuple(logits.shape)}"
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -65,5 +76,11 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     vals = torch.empty(B, nch, dtype=torch.float32, device=logits.device)
     idx = torch.empty(B, nch, dtype=torch.int32, device=logits.device)
     _argmax_chunks_kernel[(B, nch)](logits, vals, idx, V, logits.stride(0), chunk, nch, BLOCK=BLOCK, num_warps=4)
-    _argmax_rows_kernel[(B,)](vals, idx, out, nch, NCH_P=max(2, triton.next_power_of_2(nch)), num_warps=1)
+    ids, pos, pads, step = advance if advance is not None else (out, out, None, out)
+    if advance is not None:
+        assert all(t.dtype == torch.int64 and t.shape == (B,) and t.is_contiguous() for t in (ids, pos, step)) and (
+            pads is None or (pads.dtype == torch.int64 and pads.shape == (B,))), "advance tensors must be int64 [B]"
+    _argmax_rows_kernel[(B,)](vals, idx, out, ids, pos, pads if pads is not None else out, step, nch,
+                              NCH_P=max(2, triton.next_power_of_2(nch)), ADVANCE=advance is not None,
+                              HAS_PADS=pads is not None, num_warps=1)
     return out
