@@ -10,7 +10,6 @@ as nano-vllm and vLLM do; prefills stay uncaptured.
 """
 from __future__ import annotations
 
-import gc
 import inspect
 import time
 from dataclasses import dataclass
@@ -336,10 +335,6 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = body()
         self._graphs[(batch, width)] = (static_in, graph, out)
-        # what exists now (compiled code, dynamo caches, the model) lives as long as the engine: out of the
-        # collector's full passes, which would otherwise walk it between decode steps (vLLM does the same)
-        gc.collect()
-        gc.freeze()
         return static_in, graph, out
 
     def _width(self, kind: str, lengths: list[int]) -> int:
