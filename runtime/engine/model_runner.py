@@ -181,8 +181,7 @@ class ModelRunner:
         else:
             self._advanced = None
             if step.kind == "decode":
-                ids = [s.last_token for s in step.seqs] + [0] * pad  # placeholders when the ids come from ``ahead``
-                positions = [x - 1 for x in lengths] + [0] * pad
+                ids, positions = self._decode_ids(step, lengths, pad)
             inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions))
             if ahead is not None:
                 inputs[0][:ahead.tokens.numel()].copy_(ahead.tokens)
@@ -194,6 +193,11 @@ class ModelRunner:
             seq.num_cached += k
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
         return self._sample_async(Pending(step, done), logits, greedy)
+
+    @staticmethod
+    def _decode_ids(step: Step, lengths: list[int], pad: int) -> tuple[list[int], list[int]]:
+        """(ids, positions) of a decode step's rows; ids are placeholders when they come from a step ahead."""
+        return [s.last_token for s in step.seqs] + [0] * pad, [x - 1 for x in lengths] + [0] * pad
 
     def _host_inputs(self, step: Step, width: int, lengths: list[int], pad: int, ids: list[int],
                      positions: list[int]) -> list[list[int]]:
@@ -279,10 +283,8 @@ class ModelRunner:
         if entry is not None and ahead is not None and self._advanced == state:
             self.advanced_steps += 1
         else:
-            n = len(step.seqs)
-            ids = [s.last_token for s in step.seqs] + [0] * pad  # placeholders when the ids come from ``ahead``
-            positions = [x - 1 for x in lengths] + [0] * pad
-            host = self._host_inputs(step, width, lengths, pad, ids, positions) + [[1] * n + [0] * pad]
+            host = self._host_inputs(step, width, lengths, pad, *self._decode_ids(step, lengths, pad))
+            host.append([1] * len(step.seqs) + [0] * pad)
             device_ids = None if ahead is None else ahead.tokens
             if entry is None:
                 try:
