@@ -5,8 +5,11 @@ Drop-in mode keeps HF's cache semantics. The three graph shapes HF produces are 
 region's boundary, not from HF's code:
   - no cache: hidden in, output out;
   - prefill into a fresh cache: two fresh state tensors leave the region (conv state [B, C, K], ssm state);
-  - decode (T=1): the cache's conv and ssm states come in and are written in place.
-Anything else (e.g. a prefill that continues from a cached state) is left to Inductor with the reason.
+  - decode (T=1): the cache's conv and ssm states come in and are written in place;
+  - a prefill chunk that continues a cached one (T > 1, states in and written in place): Mamba2 only, where
+    HF's mixer continues from both states (``hybrid::mamba2_mixer_chunk``). HF's Mamba1 scan starts such a chunk
+    from a zero ssm state: left as HF computes it.
+Anything else is left to Inductor with the reason.
 The mixer's math (projection split order, activation, D skip, gating, dt/B/C norms, gated RMSNorm) is not
 assumed: the live mixer is run on a probe batch and compared with the op before anything is rewritten.
 """
@@ -18,9 +21,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from compiler.numerics import close
 from graphs.modules import SSM, is_mamba1_mixer, mamba2_dims
-from graphs.regions import Region, Rewrite, node_value
+from graphs.regions import Region, Rewrite, is_inplace, node_value
 
 from .base import REWRITTEN, PassContext, RegionPass, Skip, eager_probe
+
+
+def _reads(state: fx.Node) -> bool:
+    """Does the region compute with ``state`` (not only write into it in place)?"""
+    return any(not (is_inplace(u) and u.args and u.args[0] is state) for u in state.users)
 
 
 def _shape(n: fx.Node) -> tuple:
@@ -74,13 +82,25 @@ class FuseSSM(RegionPass):
         weights = self._weights(ctx, m, mamba2)
         kernel = m.conv1d.weight.shape[-1]
 
-        if written:  # decode: states come in and are written in place
-            if _shape(hidden)[1] != 1 or len(written) != 2 or fresh:
-                raise Skip("a prefill that continues from a cached state is not rewritten in drop-in mode")
+        if written:  # decode, or a chunk continuing a cached prefill: states come in and are written in place
+            if len(written) != 2 or fresh:
+                raise Skip(f"{len(written)} cache states written and {len(fresh)} created: expected the conv and "
+                           "ssm states, written in place")
             conv, ssm = self._split_states(written, kernel, mamba2)
-            op = torch.ops.hybrid.mamba2_mixer_step.default if mamba2 else torch.ops.hybrid.mamba_mixer_step.default
-            args = (hidden, mask, *weights["step"], conv, ssm)
-            return Rewrite(op, args, {}, {main: None}, mutates=[conv, ssm], note=self._note(m, mamba2, "decode"))
+            if _shape(hidden)[1] == 1:
+                op = torch.ops.hybrid.mamba2_mixer_step.default if mamba2 else torch.ops.hybrid.mamba_mixer_step.default
+                args = (hidden, mask, *weights["step"], conv, ssm)
+                return Rewrite(op, args, {}, {main: None}, mutates=[conv, ssm], note=self._note(m, mamba2, "decode"))
+            if not _reads(ssm):
+                raise Skip("a prefill chunk after a cached one, where HF's mixer does not read the cached ssm state "
+                           "(HF's Mamba1 scan starts every multi-token call from zero): left as HF computes it")
+            if not mamba2:
+                raise Skip("a Mamba1 prefill chunk continuing from cached states has no hybrid op")
+            if node_value(ssm).dtype != torch.float32:
+                raise Skip(f"HF keeps the ssm state in {node_value(ssm).dtype}; hybrid continues from fp32")
+            args = (hidden, mask, *weights["prefill"], conv, ssm)
+            return Rewrite(torch.ops.hybrid.mamba2_mixer_chunk.default, args, {}, {main: None}, mutates=[conv, ssm],
+                           note=self._note(m, mamba2, "prefill continuing from the cache"))
 
         outputs = {main: 0}
         width = kernel

@@ -153,6 +153,51 @@ def test_ssm_rows_limit_admission_and_compact():
         assert out.token_ids == hf_greedy(name, p, sp.max_tokens)
 
 
+@pytest.mark.parametrize("name", ["mamba2", "bamba"])
+def test_ssm_prompts_prefill_in_chunks(name):
+    """Mixers that continue from HF's cached states (Mamba2, Bamba's): long prompts are prefilled in chunks of
+    max_prefill_tokens, each chunk after the first continuing from the sequence's state row (the SSM pass's
+    hybrid::mamba2_mixer_chunk); greedy tokens equal HF generate's with the prompt in one piece."""
+    engine = Engine(zoo.build(name), compile="hybrid-eager", max_prefill_tokens=4)
+    assert engine.prefill_note is None and engine.scheduler.chunked_prefill
+    prompts = [list(range(10, 29)), [5, 6, 7], list(range(30, 41))]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    assert engine.stats["steps"] - engine.stats["decode_steps"] == 5 + 1 + 3  # prefill chunks of <= 4 tokens
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(name, p, 6)
+
+
+def test_half_prefilled_ssm_sequence_is_preempted_when_the_cache_is_full(monkeypatch):
+    """Bamba (SSM state rows + paged attention), 12 blocks of 4 tokens, prompts in 4-token chunks: a sequence whose
+    next chunk finds no block is preempted (a decode step could not skip its state row), recomputed later, and
+    every output stays exact."""
+    from runtime.engine.scheduler import Scheduler
+    half = []
+    real = Scheduler.preempt
+    monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: (half.append(0 < seq.num_cached < len(seq.prompt)),
+                                                                 real(self, seq))[1])
+    state_row, block = 21504, 4 * 256  # bytes of one SSM state row and one 4-token block of the tiny Bamba
+    engine = Engine(zoo.build("bamba"), compile=None, block_size=4, cache_memory=4 * state_row + 12 * block,
+                    max_num_seqs=4, max_prefill_tokens=4)
+    assert engine.blocks.num_blocks == 12
+    prompts = [list(range(10, 29)), list(range(30, 41)), [5, 6, 7], list(range(50, 67))]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    assert any(half)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy("bamba", p, 6)
+
+
+@pytest.mark.parametrize("name", ["mamba", "jamba"])
+def test_mamba1_prompts_prefill_whole(name):
+    """HF's Mamba1 scan restarts from a zero state on every multi-token call: the engine finds that out by a probe
+    and prefills whole prompts (chunks would lose the state)."""
+    engine = Engine(zoo.build(name), compile=None, max_prefill_tokens=4)
+    assert not engine.scheduler.chunked_prefill and "does not continue" in engine.prefill_note
+    prompt = list(range(10, 29))
+    assert engine.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids == hf_greedy(name, prompt, 4)
+    assert engine.stats["steps"] - engine.stats["decode_steps"] == 1
+
+
 def test_request_too_big_for_the_cache_is_refused():
     engine = Engine(zoo.build("llama"), compile=None, block_size=4, cache_memory=4 * 4 * 2 * 2 * 2 * 16 * 4)
     with pytest.raises(ValueError, match="needs .* cache blocks"):
@@ -351,6 +396,20 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
     outs = engine.generate(prompts, SamplingParams(max_tokens=10))
     torch._dynamo.reset()
     assert [o.token_ids for o in outs] == ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton SSM kernels need a GPU")
+def test_compiled_ssm_prefill_chunks_on_the_gpu():
+    """Mamba2 on the GPU default (passes + Inductor + recorded decode steps), a 31-token prompt in 8-token chunks:
+    the chunks after the first run hybrid::mamba2_mixer_chunk's Triton conv and SSD scan from the cached states."""
+    prompt = list(range(10, 41))
+    model = zoo.build("mamba2", device="cuda")
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False)[0, 31:].tolist()
+    engine = Engine(model, compile="hybrid-cudagraphs", max_prefill_tokens=8)
+    out = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
+    torch._dynamo.reset()
+    assert engine.stats["steps"] - engine.stats["decode_steps"] == 4 and out == ref
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton launch configs only exist on the GPU")

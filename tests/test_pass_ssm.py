@@ -71,24 +71,42 @@ def test_mixer_math_change_is_caught_by_the_probe():
     assert all(r["status"] == "skipped" and "mixer math differs" in r["reason"] for r in regions.values()), regions
 
 
-def test_prefill_continuing_from_cache_is_left_alone():
-    """A second multi-token chunk on top of a cached state (HF reads the cached conv state) must not be
-    rewritten by the fresh-prefill op, and the results stay those of eager."""
-    eager, compiled = zoo.build("mamba2"), compile_forward(zoo.build("mamba2"), {"inductor": False})
-    a, b = prompt(eager, 1, 6, seed=1), prompt(eager, 1, 4, seed=2)
+def _continue_prefill(name: str):
+    """Eager and compiled: a 6-token prefill, then a 5-token chunk on top of the cached states. Returns the second
+    chunk's logits, the cache tensors after it and the SSM results of the second chunk's graph."""
+    eager, compiled = zoo.build(name), compile_forward(zoo.build(name), {"inductor": False})
+    a, b = prompt(eager, 2, 6, seed=1), prompt(eager, 2, 5, seed=2)
     key = cache_kwarg(eager)
     outs = []
     from compiler import collect
     with torch.no_grad(), collect() as report:
         for model in (eager, compiled):
             cache = output_cache(model(a, use_cache=True))
-            outs.append(model(b, use_cache=True, **{key: cache}).logits)
+            outs.append((model(b, use_cache=True, **{key: cache}).logits, cache_tensors(cache)))
     torch._dynamo.reset()
-    assert rel_err(outs[1], outs[0]) < 1e-5
     second = max(r.graph for r in report.results)
-    results = [r for r in report.results if r.kind == "ssm" and r.graph == second]
-    assert results and all(r.status == "skipped" for r in results), results
-    assert any("continues from a cached state" in r.reason for r in results)
+    return outs, [r for r in report.results if r.kind == "ssm" and r.graph == second]
+
+
+@pytest.mark.parametrize("name", ["mamba2", "bamba"])
+def test_prefill_chunk_continuing_from_cache_rewritten(name):
+    """A second multi-token chunk on top of the cached states (HF's Mamba2 mixer continues from both states):
+    hybrid::mamba2_mixer_chunk, logits and the cache states after it equal eager's."""
+    ((ref, ref_states), (got, got_states)), results = _continue_prefill(name)
+    assert results and all(r.status == "rewritten" and "continuing" in r.reason for r in results), results
+    assert rel_err(got, ref) < 1e-5
+    assert len(got_states) == len(ref_states) >= 4
+    for x, y in zip(got_states, ref_states):
+        assert rel_err(x, y) < 1e-5
+
+
+def test_mamba1_prefill_chunk_continuing_from_cache_is_left_alone():
+    """HF's Mamba1 scan starts a multi-token call from a zero ssm state even with a cache: the pass must not
+    fire (hybrid's op would continue from the cached state), and the results stay eager's."""
+    ((ref, _), (got, _)), results = _continue_prefill("mamba")
+    assert rel_err(got, ref) < 1e-5
+    assert results and all(r.status == "skipped" and "does not read the cached ssm state" in r.reason
+                           for r in results), results
 
 
 @pytest.mark.parametrize("name", ["mamba2", "bamba", "mamba", "jamba"])

@@ -8,8 +8,9 @@
   or, for MLA layers, the gather as ``hybrid::paged_gather`` with the step's block table and lengths
   (``runtime/ops/mla/paged.py``).
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
-  a decode step binds prefix views (HF updates them in place), a prefill binds nothing and HF creates fresh
-  states, which the runner then copies into the new sequence's row.
+  a decode step binds prefix views (HF updates them in place), a first prefill chunk binds nothing and HF
+  creates fresh states, which the runner then copies into the new sequence's row; a later chunk binds that
+  row (HF continues from it in place; only for mixers that do, ``ssm_chunking_problem``).
 All buffers and step metadata are tensors held by the cache object, so under ``torch.compile`` they are
 graph inputs, never Python globals. Buffers (and the decode views of state buffers, made once per batch
 size) are marked as static addresses: CUDA graphs read and update them in place instead of copying them.
@@ -62,6 +63,37 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
             k, v = layer.keys, layer.values
             specs.append(LayerSpec("attention", heads=k.shape[1], k_dim=k.shape[-1], v_dim=v.shape[-1]))
     return specs
+
+
+def ssm_chunking_problem(model) -> str | None:
+    """None when every kind of SSM mixer in ``model`` continues a multi-token call from HF's cached states exactly
+    as one call over all the tokens would (then the engine may prefill in chunks), else why not. Probed on a
+    float64 CPU copy of one mixer per class, 13 random tokens as 6 + 7 (HF's Mamba1 scan restarts from a zero
+    state on every multi-token call: its relative error is ~1e-3; exact continuations are ~1e-8)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from graphs.modules import SSM, classify
+    seen = set()
+    for mod in model.modules():
+        if classify(mod) != SSM or type(mod) in seen:
+            continue
+        seen.add(type(mod))
+        probe = copy.deepcopy(mod).to("cpu", torch.float64)
+        hidden = probe.in_proj.in_features
+        x = torch.randn(1, 13, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
+        with torch.no_grad():
+            whole = first(probe(x))
+            cache = DynamicCache(config=model.config)
+            first(probe(x[:, :6], cache=cache))
+            rest = first(probe(x[:, 6:], cache=cache))
+        err = ((rest - whole[:, 6:]).abs().max() / whole.abs().max().clamp_min(1e-30)).item()
+        if not err < 1e-6:
+            return (f"HF's {type(mod).__name__} does not continue a multi-token call from the cached states (relative "
+                    f"error {err:.1e} against one call over all tokens): prompts are prefilled whole")
+    return None
 
 
 class PagedAttentionLayer(CacheLayerMixin):
@@ -135,7 +167,14 @@ class SlotStateLayer(LinearAttentionLayer):
             for v in views:
                 torch._dynamo.mark_static_address(v)
             self._views[n] = views
-        self.conv_states[0], self.recurrent_states[0] = self._views[n]
+        self._bind_states(*self._views[n])
+
+    def bind_continue(self, row: int) -> None:
+        """A prefill chunk after the first: HF continues from row ``row``'s states and updates them in place."""
+        self._bind_states(self.conv_buf[row:row + 1], self.ssm_buf[row:row + 1])
+
+    def _bind_states(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.conv_states[0], self.recurrent_states[0] = conv, ssm
         self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
         self.has_previous_state[0] = True
         self.conv_kernel_size[0] = self.conv_buf.shape[-1]
@@ -165,13 +204,20 @@ class PagedCache(Cache):
         self.states = [l for l in layers if isinstance(l, SlotStateLayer)]
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
-             paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
-             ) -> None:
+             paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+             state_row: int | None = None) -> None:
+        """``decode_rows``: a decode step over state rows 0..n-1; else a prefill, fresh (``state_row`` None) or
+        continuing from row ``state_row``'s states."""
         for layer in self.attention:
             layer.write_slots, layer.gather_idx, layer.paged = write_slots, gather_idx, paged
             layer.block_table, layer.seq_lens = block_table, seq_lens
         for layer in self.states:
-            layer.bind_decode(decode_rows) if decode_rows is not None else layer.bind_prefill()
+            if decode_rows is not None:
+                layer.bind_decode(decode_rows)
+            elif state_row is not None:
+                layer.bind_continue(state_row)
+            else:
+                layer.bind_prefill()
 
     def nbytes(self) -> int:
         return sum(l.buf.numel() * l.buf.element_size() for l in self.attention) + sum(

@@ -17,7 +17,7 @@ import torch
 from compiler.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
-from .cache import PagedCache, discover_layers
+from .cache import PagedCache, discover_layers, ssm_chunking_problem
 from .model_runner import ModelRunner, decode_bucket
 from .scheduler import Scheduler, Step
 from .sequence import RequestOutput, SamplingParams, Sequence, Status, TokenEvent
@@ -57,9 +57,11 @@ class Engine:
                                 self.device, latent=mla and paged_decode, block_size=block_size)
         self.blocks = BlockAllocator(num_blocks, block_size) if has_attn else None
         self.slots = SlotAllocator(max_num_seqs) if has_ssm else None
-        # HF's Mamba torch paths do not continue a multi-token chunk from a cached state: prefill SSM models whole
+        # long prompts are prefilled in chunks of max_prefill_tokens, except where an SSM mixer would not continue
+        # a chunk from the cached states exactly (HF's Mamba1 scan; the reason is kept here)
+        self.prefill_note = ssm_chunking_problem(model) if has_ssm else None
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
-                                   max_prefill_tokens=max_prefill_tokens, chunked_prefill=not has_ssm)
+                                   max_prefill_tokens=max_prefill_tokens, chunked_prefill=self.prefill_note is None)
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,
                                   compile_options)
         self._seqs: dict[int, Sequence] = {}

@@ -159,13 +159,15 @@ class ModelRunner:
         same sequences, not finished yet) the step runs one token ahead of the host: each sequence's input is
         the token ``ahead`` sampled, still on the device, at the position after it."""
         self.apply_moves(step.moves)
-        n = len(step.seqs)
+        n, state_row = len(step.seqs), None
         if step.kind == "prefill":
             assert ahead is None, "only decode steps run ahead"
             (seq,), (q_len,) = step.seqs, step.num_tokens
             start = seq.num_cached
             ids, positions = seq.tokens[start:start + q_len], list(range(start, start + q_len))
             lengths, pad, rows = [start + q_len], 0, None
+            # a chunk after the first continues from the sequence's state row (SSM layers)
+            state_row = seq.state_slot if start and self.cache.states else None
         else:
             shift = 0 if ahead is None else 1
             pad = decode_bucket(n) - n if self.bucket_decode else 0
@@ -185,8 +187,8 @@ class ModelRunner:
             inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions))
             if ahead is not None:
                 inputs[0][:ahead.tokens.numel()].copy_(ahead.tokens)
-            logits = self._forward(step.kind, q_len, width, batch, rows, inputs)
-        if step.kind == "prefill" and self.cache.states:
+            logits = self._forward(step.kind, q_len, width, batch, rows, inputs, state_row)
+        if step.kind == "prefill" and self.cache.states and state_row is None:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
         for seq, k in zip(step.seqs, step.num_tokens):
@@ -251,13 +253,14 @@ class ModelRunner:
         return [next(it) if d else None for d in pending.done]
 
     def _forward(self, kind: str, q_len: int, width: int, batch: int, rows: int | None,
-                 inputs: list[torch.Tensor]) -> torch.Tensor:
-        """Bind the step's cache maps and run the model: all a recorded decode graph contains."""
+                 inputs: list[torch.Tensor], state_row: int | None = None) -> torch.Tensor:
+        """Bind the step's cache maps and run the model: all a recorded decode graph contains. ``state_row``: a
+        prefill chunk continuing from that SSM state row."""
         if self.cache.attention:
-            mask, extra = self._bind(kind, q_len, width, inputs[2].view(batch, -1), inputs[3], rows)
+            mask, extra = self._bind(kind, q_len, width, inputs[2].view(batch, -1), inputs[3], rows, state_row)
         else:
             mask, extra = None, {}
-            self.cache.bind(None, None, rows)
+            self.cache.bind(None, None, rows, state_row=state_row)
         kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": inputs[1].view(batch, q_len), **extra}
         if mask is not None:
             kwargs["attention_mask"] = mask
@@ -360,7 +363,8 @@ class ModelRunner:
         table += [0] * (nb * pad_rows)
         return table, [width - n for n in lengths] + [width - 1] * pad_rows
 
-    def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None):
+    def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None,
+              state_row: int | None = None):
         """Bind the step's cache maps, built on the device from the block table; returns the attention mask
         and extra forward kwargs (the paged-attention maps of a paged decode step)."""
         paged = self.paged_decode and kind == "decode"
@@ -370,7 +374,7 @@ class ModelRunner:
         if paged and self.paged_latent:  # MLA: the pages themselves (runtime/ops/mla/paged.py)
             self.cache.bind(writes, gather_idx, rows, paged, table32, lengths)
         else:
-            self.cache.bind(writes, gather_idx, rows, paged)
+            self.cache.bind(writes, gather_idx, rows, paged, state_row=state_row)
         extra = {}
         if mha:  # the same positions, valid keys first, as rows of the per-head view (attention.py)
             extra["hybrid_block_table"], extra["hybrid_seq_lens"] = mha_maps

@@ -1,7 +1,8 @@
 """Continuous batching, plain Python: which sequences run in the next model step.
 
 Each step is either a prefill (one sequence: its uncached tokens, in chunks when long and the model
-allows it) or a decode of every running sequence (one token each). Requests join between steps and leave
+allows it) or a decode of every running sequence (one token each). A sequence whose prompt is only partly
+prefilled gets the next prefill step. Requests join between steps and leave
 when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
 its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
 so nothing is lost and no sequence ever writes into another's cache.
@@ -80,6 +81,10 @@ class Scheduler:
             return None
         n = self._chunk(seq)
         if not self._reserve(seq, seq.num_cached + n):
+            if seq.status is Status.RUNNING and self.slots is not None:
+                # a half-prefilled sequence holds an SSM state row, and a decode step reads rows 0..n-1 with no
+                # gap: it is the newest admitted, so it is the one preempted
+                self.preempt(seq)
             return None
         if seq.status is Status.WAITING:
             self.waiting.popleft()

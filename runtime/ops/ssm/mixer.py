@@ -4,6 +4,8 @@
 conv_state [B, C, W], ssm_state fp32) with the states HF's cache keeps after a fresh prefill (W = conv kernel,
 the last W conv inputs, zero-padded on the left).
 ``..._step``: decode (T=1): the HF cache's conv and ssm states are updated in place.
+``hybrid::mamba2_mixer_chunk``: T tokens that continue from the cache's states (a prefill chunk after the
+first), which it updates in place.
 The projections are ``F.linear`` at prefill (cuBLAS through Inductor) and ``hybrid::linear`` at decode (Triton
 one-row kernels at batch 1, cuBLAS otherwise: runtime/ops/linear); conv, scan, state update and gated norm are
 the hybrid kernels. ``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
@@ -89,13 +91,13 @@ def _mamba2_split(proj: Tensor, d_inner: int, conv_dim: int):
     return torch.split(proj, [d_inner, conv_dim, proj.shape[-1] - d_inner - conv_dim], dim=-1)
 
 
-@triton_op(op_name("mamba2_mixer"), mutates_args={})
-def _mamba2_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
-                  conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
-                  norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
-                  chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float,
-                  state_width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Mamba2 mixer prefill: hidden [B, T, Hd] -> (out, conv_state [B, C, W], ssm_state [B, H, P, N] fp32)."""
+def _mamba2_prefill(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                    conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
+                    norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
+                    chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float, state_width: int,
+                    conv_init: Optional[Tensor] = None, ssm_init: Optional[Tensor] = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, conv_state, ssm_state) of T tokens that follow ``conv_init`` / ``ssm_init`` (None: a fresh start)."""
     bsz, t = hidden.shape[0], hidden.shape[1]
     heads = A_log.shape[0]
     d_inner = heads * head_dim
@@ -103,14 +105,42 @@ def _mamba2_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_
     n = (conv_dim - d_inner) // (2 * groups)
     gate, xbc, dt = _mamba2_split(F.linear(_masked(hidden, mask), in_proj_w, in_proj_b), d_inner, conv_dim)
     xbc, conv_state = torch.ops.hybrid.causal_conv1d(xbc.transpose(1, 2), conv_w.reshape(conv_dim, -1), conv_b,
-                                                     None, "silu", state_width)
+                                                     conv_init, "silu", state_width)
     xbc = _masked(xbc.transpose(1, 2), mask)
     x, b, c = torch.split(xbc, [d_inner, groups * n, groups * n], dim=-1)
     y, ssm_state = torch.ops.hybrid.ssd_scan(
         x.reshape(bsz, t, heads, head_dim), dt, -torch.exp(A_log.float()), b.reshape(bsz, t, groups, n),
-        c.reshape(bsz, t, groups, n), chunk_size, D, None, dt_bias, True, dt_min, dt_max, None)
+        c.reshape(bsz, t, groups, n), chunk_size, D, None, dt_bias, True, dt_min, dt_max, ssm_init)
     y = torch.ops.hybrid.gated_rms_norm(y.reshape(bsz, t, d_inner), gate, norm_w, eps, norm_group)
     return F.linear(y.to(hidden.dtype), out_proj_w, out_proj_b), conv_state, ssm_state
+
+
+@triton_op(op_name("mamba2_mixer"), mutates_args={})
+def _mamba2_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                  conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
+                  norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
+                  chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float,
+                  state_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mamba2 mixer prefill: hidden [B, T, Hd] -> (out, conv_state [B, C, W], ssm_state [B, H, P, N] fp32)."""
+    return _mamba2_prefill(hidden, mask, in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w,
+                           out_proj_b, head_dim, groups, chunk_size, eps, norm_group, dt_min, dt_max, state_width)
+
+
+@triton_op(op_name("mamba2_mixer_chunk"), mutates_args={"conv_state", "ssm_state"})
+def _mamba2_mixer_chunk(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
+                        conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
+                        norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
+                        chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float,
+                        conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+    """Mamba2 mixer over T tokens that continue a cached sequence (a prefill chunk after the first): hidden
+    [B, T, Hd] -> out; conv_state [B, C, W] and ssm_state [B, H, P, N] hold the states before the chunk and are
+    updated in place to the states after it, as HF's cache does."""
+    out, conv, ssm = _mamba2_prefill(hidden, mask, in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w,
+                                     out_proj_w, out_proj_b, head_dim, groups, chunk_size, eps, norm_group, dt_min,
+                                     dt_max, conv_state.shape[-1], conv_state, ssm_state)
+    conv_state.copy_(conv)
+    ssm_state.copy_(ssm)
+    return out
 
 
 @triton_op(op_name("mamba2_mixer_step"), mutates_args={"conv_state", "ssm_state"})
