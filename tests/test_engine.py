@@ -167,10 +167,11 @@ def test_ssm_prompts_prefill_in_chunks(name):
         assert o.token_ids == hf_greedy(name, p, 6)
 
 
-def test_half_prefilled_ssm_sequence_is_preempted_when_the_cache_is_full(monkeypatch):
-    """Bamba (SSM state rows + paged attention), 12 blocks of 4 tokens, prompts in 4-token chunks: a sequence whose
-    next chunk finds no block is preempted (a decode step could not skip its state row), recomputed later, and
-    every output stays exact."""
+def test_ssm_sequence_starts_with_blocks_for_its_whole_prompt(monkeypatch):
+    """Bamba (SSM state rows + paged attention), 12 blocks of 4 tokens, prompts in 4-token chunks: a sequence starts
+    only when its whole prompt fits (a half-prefilled sequence holds a state row that decode steps cannot skip,
+    so it must never wait for blocks between chunks); the cache fills and preempts decoding sequences, never a
+    half-prefilled one, and every output stays exact."""
     from runtime.engine.scheduler import Scheduler
     half = []
     real = Scheduler.preempt
@@ -179,10 +180,10 @@ def test_half_prefilled_ssm_sequence_is_preempted_when_the_cache_is_full(monkeyp
     state_row, block = 21504, 4 * 256  # bytes of one SSM state row and one 4-token block of the tiny Bamba
     engine = Engine(zoo.build("bamba"), compile=None, block_size=4, cache_memory=4 * state_row + 12 * block,
                     max_num_seqs=4, max_prefill_tokens=4)
-    assert engine.blocks.num_blocks == 12
+    assert engine.blocks.num_blocks == 12 and engine.scheduler.chunked_prefill
     prompts = [list(range(10, 29)), list(range(30, 41)), [5, 6, 7], list(range(50, 67))]
     outs = engine.generate(prompts, SamplingParams(max_tokens=6))
-    assert any(half)
+    assert engine.scheduler.num_preemptions > 0 and half and not any(half)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy("bamba", p, 6)
 

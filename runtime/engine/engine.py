@@ -40,6 +40,11 @@ class Engine:
         specs = discover_layers(model, cache_kwarg(model))
         has_attn = any(s.kind == "attention" for s in specs)
         has_ssm = any(s.kind == "ssm" for s in specs)
+        # long prompts are prefilled in chunks of max_prefill_tokens, except where an SSM mixer would not continue
+        # a chunk from the cached states exactly (HF's Mamba1 scan; the reason is kept here). Probed before the
+        # caches take the device's memory.
+        num_state_layers = sum(s.kind == "ssm" for s in specs)
+        self.prefill_note = ssm_chunking_problem(model, num_state_layers) if has_ssm else None
         if compile == "auto":
             compile = "hybrid-cudagraphs" if self.device.type == "cuda" else "hybrid-eager"
         if bucket_decode is None:  # CUDA graphs need repeating shapes: decode batches padded to buckets
@@ -57,9 +62,6 @@ class Engine:
                                 self.device, latent=mla and paged_decode, block_size=block_size)
         self.blocks = BlockAllocator(num_blocks, block_size) if has_attn else None
         self.slots = SlotAllocator(max_num_seqs) if has_ssm else None
-        # long prompts are prefilled in chunks of max_prefill_tokens, except where an SSM mixer would not continue
-        # a chunk from the cached states exactly (HF's Mamba1 scan; the reason is kept here)
-        self.prefill_note = ssm_chunking_problem(model) if has_ssm else None
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, chunked_prefill=self.prefill_note is None)
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,

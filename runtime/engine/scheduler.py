@@ -52,13 +52,13 @@ class Scheduler:
 
     def would_prefill(self) -> bool:
         """Could the next step be a prefill (a partial prefill, or a waiting request with room to start:
-        a batch slot, a state row and cache blocks for its first chunk)?"""
+        a batch slot, a state row and cache blocks for its first chunk, or its whole prompt with SSM rows)?"""
         if any(s.num_uncached > 1 for s in self.running):
             return True
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         seq = self.waiting[0]
-        return self._fits(seq, seq.num_cached + self._chunk(seq))
+        return self._fits(seq, self._prefill_upto(seq))
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``num_tokens`` cached tokens of a running sequence (False when the cache is full)."""
@@ -80,11 +80,7 @@ class Scheduler:
         else:
             return None
         n = self._chunk(seq)
-        if not self._reserve(seq, seq.num_cached + n):
-            if seq.status is Status.RUNNING and self.slots is not None:
-                # a half-prefilled sequence holds an SSM state row, and a decode step reads rows 0..n-1 with no
-                # gap: it is the newest admitted, so it is the one preempted
-                self.preempt(seq)
+        if not self._reserve(seq, self._prefill_upto(seq)):
             return None
         if seq.status is Status.WAITING:
             self.waiting.popleft()
@@ -105,6 +101,12 @@ class Scheduler:
         if not batch:
             return None
         return Step("decode", batch, [1] * len(batch))
+
+    def _prefill_upto(self, seq: Sequence) -> int:
+        """Cached tokens to hold blocks for before ``seq``'s next prefill chunk: that chunk's end, or with SSM state
+        rows the whole prompt, reserved when the sequence starts (a half-prefilled sequence holds a state row
+        that a decode step, reading rows 0..n-1, cannot skip: it must never wait for blocks between chunks)."""
+        return len(seq) if self.slots is not None else seq.num_cached + self._chunk(seq)
 
     def _chunk(self, seq: Sequence) -> int:
         """Tokens of ``seq`` its next prefill step feeds."""
