@@ -83,6 +83,7 @@ def ssm_chunking_problem(model, num_state_layers: int) -> str | None:
     if len(mixers) != num_state_layers:
         return (f"{num_state_layers} state layers but {len(mixers)} SSM mixers hybrid can probe: prompts are "
                 "prefilled whole")
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  (mixers may return (out, ...))
     seen = set()
     for mod in mixers:
         if type(mod) in seen:
@@ -97,7 +98,6 @@ def ssm_chunking_problem(model, num_state_layers: int) -> str | None:
             probe = copy.deepcopy(mod, memo)
             x = torch.randn(1, 13, probe.in_proj.in_features, dtype=torch.float64,
                             generator=torch.Generator().manual_seed(5))
-            first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
             with torch.no_grad():
                 whole = first(probe(x))
                 cache = DynamicCache(config=model.config)

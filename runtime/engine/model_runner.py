@@ -129,14 +129,16 @@ class ModelRunner:
             for layer in self.cache.states:
                 layer.move_row(src, dst)
 
-    def _upload(self, lists: list[list[int]], out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def _upload(self, lists: list[list[int]], device_ids: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The step's small integer inputs in one host-to-device copy (pinned staging buffer on CUDA, so the
         copy is asynchronous: a pageable copy per tensor would synchronise the stream several times a step);
-        into ``out`` (a graph's static input buffer) when given."""
+        into ``out`` (a graph's static input buffer) when given. ``device_ids`` (the ids a step running ahead
+        takes from the step before, still on the device) then replace the first ids."""
         sizes = [len(x) for x in lists]
         host = torch.tensor([v for x in lists for v in x], dtype=torch.long)
         if self.device.type != "cuda":
-            return list(host.split(sizes))
+            return self._with_ids(list(host.split(sizes)), device_ids)
         if self._copied is not None:
             t0 = time.perf_counter()
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
@@ -151,7 +153,13 @@ class ModelRunner:
             dev = staged.to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        return list(dev.split(sizes))
+        return self._with_ids(list(dev.split(sizes)), device_ids)
+
+    @staticmethod
+    def _with_ids(parts: list[torch.Tensor], device_ids: torch.Tensor | None) -> list[torch.Tensor]:
+        if device_ids is not None:
+            parts[0][:device_ids.numel()].copy_(device_ids)
+        return parts
 
     @torch.no_grad()
     def launch(self, step: Step, ahead: "Pending | None" = None) -> "Pending":
@@ -184,9 +192,8 @@ class ModelRunner:
             self._advanced = None
             if step.kind == "decode":
                 ids, positions = self._decode_ids(step, lengths, pad)
-            inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions))
-            if ahead is not None:
-                inputs[0][:ahead.tokens.numel()].copy_(ahead.tokens)
+            inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions),
+                                  None if ahead is None else ahead.tokens)
             logits = self._forward(step.kind, q_len, width, batch, rows, inputs, state_row)
         if step.kind == "prefill" and self.cache.states and state_row is None:
             for layer in self.cache.states:
@@ -298,13 +305,8 @@ class ModelRunner:
                                   "steps run without CUDA graphs", stacklevel=2)
                     self.graphs_enabled = False
                     self._advanced = None
-                    inputs = self._upload(host)
-                    if device_ids is not None:
-                        inputs[0][:device_ids.numel()].copy_(device_ids)
-                    return self._forward("decode", 1, width, batch, batch, inputs), None
-            self._upload(host, out=entry[0])
-            if device_ids is not None:  # ids are the first segment of the static input
-                entry[0][:device_ids.numel()].copy_(device_ids)
+                    return self._forward("decode", 1, width, batch, batch, self._upload(host, device_ids)), None
+            self._upload(host, device_ids, out=entry[0])
         static_in, graph, out = entry
         graph.replay()
         self._advanced = (key, state[1], tuple(x + 1 for x in lengths), state[3])
@@ -326,9 +328,7 @@ class ModelRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # each with the step's real inputs: the warm-up runs write the cache
-                self._upload(host, out=static_in)
-                if device_ids is not None:
-                    inputs[0][:device_ids.numel()].copy_(device_ids)
+                self._upload(host, device_ids, out=static_in)
                 body()
         torch.cuda.current_stream().wait_stream(side)
         for layer, (conv, ssm) in zip(self.cache.states, saved):
