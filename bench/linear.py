@@ -3,6 +3,7 @@
     python bench/linear.py --out bench/results/linear.json        # GPU: every Linear shape of the three -shape models
     python bench/linear.py --sweep                                # also sweep launch configs (M = 1 and 8)
     python bench/linear.py --smoke                                # CPU, interpreter, two tiny shapes
+    python bench/linear.py --gated --rows 1,2,8,16 [--sweep]      # Mamba2's gated norm + out_proj, fused vs not
 
 Shapes: every distinct nn.Linear (out, in) of the zoo's deepseek-v2-lite-shape, mamba2-2.7b-shape and
 mixtral-8x7b-shape models (read from a meta-device build), at M decode rows; and the groups of linears that share
@@ -150,6 +151,67 @@ def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
     return r
 
 
+def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
+    """Mamba2's decode tail: gated RMSNorm then out_proj. ours: one launch (the norm as the prologue); before: the
+    norm kernel then hybrid::linear (Triton at one row, cuBLAS at more); also the norm then cuBLAS."""
+    from runtime.ops.ssm.norm import gated_rms_norm_triton
+    wbytes = N * K * 2
+    copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
+    g = torch.Generator(device=dev).manual_seed(N + K + M)
+    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    y = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
+    z = torch.randn(M, 2 * K, device=dev, dtype=dtype, generator=g)[:, K // 2:K // 2 + K]  # a slice, as the gate is
+    nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=dtype, generator=g)
+    picked = pick_config(M, [N], K, gated=True)
+    got = linear_triton(y, [ws[0]], config=picked, gate=(z, nw, 1e-5))[0].float()
+    want = torch.nn.functional.linear(gated_rms_norm_triton(y, z, nw, 1e-5, K).float() if dev == "cuda" else
+                                      _gated_ref(y, z, nw), ws[0].float())
+    r = dict(model="mamba2 out_proj + gated norm", layer="out_proj", M=M, N=(N,), K=K, weight_mb=wbytes / 2**20,
+             rel_err=((got - want).abs().max() / want.abs().max()).item(), picked=picked)
+    if dev != "cuda":
+        return r
+    import runtime.ops  # noqa: F401  (hybrid::linear)
+    R = max(8, copies)
+    nbytes = wbytes + 2 * M * K * 2 + M * N * 2
+    r["cublas_us"] = per_call_us([lambda i=i: torch.nn.functional.linear(gated_rms_norm_triton(y, z, nw, 1e-5, K),
+                                                                         ws[i % copies]) for i in range(R)])
+    r["before_us"] = per_call_us([lambda i=i: torch.ops.hybrid.linear(gated_rms_norm_triton(y, z, nw, 1e-5, K),
+                                                                      ws[i % copies], None) for i in range(R)])
+    r["ours_us"] = per_call_us([lambda i=i: linear_triton(y, [ws[i % copies]], config=picked, gate=(z, nw, 1e-5))
+                                for i in range(R)])
+    if args.sweep:
+        best = None
+        for cfg in sweep_configs(M, 1):
+            t = per_call_us([lambda i=i: linear_triton(y, [ws[i % copies]], config=cfg, gate=(z, nw, 1e-5))
+                             for i in range(R)])
+            best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
+        r["best_us"], r["best"] = best
+    for k in ("cublas_us", "before_us", "ours_us", "best_us"):
+        if k in r:
+            r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    tag(f"gated out_proj M={M} N={N} K={K}: norm+cuBLAS {r['cublas_us']:.2f} us, before {r['before_us']:.2f} us, "
+        f"ours {r['ours_us']:.2f} us" + (f", best {r['best_us']:.2f} us {r['best']}" if "best_us" in r else ""))
+    return r
+
+
+def _gated_ref(y, z, nw):
+    from runtime.ops.ssm.reference import gated_rms_norm_ref
+    return gated_rms_norm_ref(y, z, nw, 1e-5, y.shape[-1]).float()
+
+
+def gated_table(rows: list[dict]) -> str:
+    lines = ["| M | N x K | norm + cuBLAS us (% of 4.3 TB/s) | before: norm + hybrid::linear us (%) | ours, fused us (%) "
+             "| x before | best swept us | best config | rel err |", "|" + "---|" * 9]
+    for r in rows:
+        f = lambda k: f"{r[k]:.2f} ({r[k.replace('_us', '_pct')]:.0f}%)" if k in r else "-"  # noqa: E731
+        ratio = f"{r['before_us'] / r['ours_us']:.2f}x" if "ours_us" in r else "-"
+        best = r.get("best")
+        bcfg = f"{best['kind']} n{best['block_n']} k{best['block_k']} w{best['warps']} s{best['stages']}" if best else "-"
+        lines.append(f"| {r['M']} | {r['N'][0]} x {r['K']} | {f('cublas_us')} | {f('before_us')} | {f('ours_us')} | "
+                     f"{ratio} | {f('best_us')} | {bcfg} | {r['rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | layer | M | N x K | MB | cuBLAS us (% of 4.3 TB/s) | ours us (%) | x cuBLAS | ours without PDL "
              "us (%) | best swept us | best config | rel err |", "|" + "---|" * 12]
@@ -172,9 +234,16 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs at M = 1 and 8")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, two small shapes")
+    ap.add_argument("--gated", action="store_true", help="Mamba2's gated norm + out_proj, fused vs not")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.gated:
+        N, K = (2560, 5120) if cuda else (40, 130)  # mamba2-2.7b: out_proj [hidden, d_inner]
+        rows = [gated_row(N, K, int(m), args, dev, dtype) for m in args.rows.split(",")]
+        write(args.out, "linear_gated", rows, gated_table(rows))
+        print(gated_table(rows))
+        return 0
     shapes = ([("smoke", "a", (72,), 40), ("smoke", "b", (33,), 130), ("smoke", "c", (24, 9, 40), 72)] if args.smoke
               else model_shapes(args.models.split(",")))
     rows = []

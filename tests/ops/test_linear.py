@@ -98,3 +98,52 @@ def test_broadcast_bias_takes_f_linear(monkeypatch):
     x, (w,) = _data((8,), 64, 1, torch.bfloat16, 9)
     bias = torch.arange(8.0).to(DEV, torch.bfloat16)[:1]  # F.linear broadcasts a [1] bias
     assert torch.equal(torch.ops.hybrid.linear(x, w, bias), F.linear(x, w, bias))
+
+
+def _gated_want(x, z, g, eps, w, bias=None):
+    from runtime.ops.ssm.reference import gated_rms_norm_ref
+    h = gated_rms_norm_ref(x.float(), z.float(), g.float(), eps, x.shape[-1])
+    return F.linear(h, w.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("M,N,K,kind", [(1, 33, 130, "gemv"), (1, 40, 512, "gemv"), (1, 33, 130, "dot"),
+                                        (3, 17, 200, "dot"), (16, 64, 256, "dot")])
+def test_gated_prologue_matches_norm_then_linear(M, N, K, kind):
+    """HF's gated RMSNorm (one group) as the kernels' prologue: x, z with a row stride (z a slice of a wider
+    projection, as Mamba2's gate is), bias, fp32 so the comparison is tight."""
+    g = torch.Generator().manual_seed(M * N + K)
+    x = (torch.randn(M, K, generator=g) * 3).to(DEV)
+    z = torch.randn(M, K + 7, generator=g).to(DEV)[:, 5:K + 5]
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
+    bias = torch.randn(N, generator=g).to(DEV)
+    cfg = dict(kernels.GEMV, block_k=128) if kind == "gemv" else dict(kernels.DOT_MID, block_k=64)
+    got = linear_triton(x, [w], bias, config=cfg, gate=(z, nw, 1e-5))[0]
+    want = _gated_want(x, z, nw, 1e-5, w, bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_gated_norm_linear_op(monkeypatch):
+    """The op: fused launch where the kernels take it (one launch, bf16 within rounding of norm-then-linear, fp32
+    activations into a bf16 weight); two groups or 17 rows fall back to the norm op then hybrid::linear."""
+    import runtime.ops  # noqa: F401
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 1, 96, generator=g).to(DEV)
+    z = torch.randn(2, 1, 96, generator=g).to(DEV, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(96, generator=g)).to(DEV, torch.bfloat16)
+    w = (torch.randn(40, 96, generator=g) / 96 ** 0.5).to(DEV, torch.bfloat16)
+    op = torch.ops.hybrid.gated_norm_linear
+    want = _gated_want(x, z, nw, 1e-6, w)
+    if DEV == "cpu":
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    calls = []
+    monkeypatch.setattr("runtime.ops.linear.kernels._skinny_dot_kernel", _Spy(kernels._skinny_dot_kernel, calls))
+    y = op(x, z, nw, 1e-6, 96, w, None)
+    assert y.shape == (2, 1, 40) and y.dtype == torch.bfloat16 and len(calls) == 1
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    for xs, zs, group in ((x, z, 48), (x.expand(2, 17, 96), z.expand(2, 17, 96), 96)):
+        from runtime.ops.ssm.reference import gated_rms_norm_ref
+        y = op(xs, zs, nw, 1e-6, group, w, None)
+        ref = F.linear(gated_rms_norm_ref(xs, zs, nw, 1e-6, group).to(torch.bfloat16), w)
+        assert len(calls) == 1 and y.shape == ref.shape
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())

@@ -34,9 +34,20 @@ MAX_GROUP = 3
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, N0, N1, N2, K, s0, s1, s2,
-                 NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _gate(x, z_ptrs, g_ptrs, ok):
+    """Gated RMSNorm as a prologue (HF MambaRMSNormGated, one group): h = x * silu(z) feeds the dot as h * g,
+    and the caller sums h^2 over the row as it goes and scales the row's result by rsqrt(mean(h^2) + eps) at the end,
+    so the norm costs no pass of its own. One rounding (h * g to the weight dtype) where HF rounds twice."""
+    z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
+    h = x * (z / (1.0 + tl.exp(-z)))
+    g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return h * g, h * h
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z_ptr, g_ptr, eps, N0, N1, N2, K,
+                 s0, s1, s2, NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next one launch
         gdc_wait()
         gdc_launch_dependents()
@@ -56,6 +67,7 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, N
     row_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + rk
         if EVEN_K:
@@ -64,17 +76,22 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, N
         else:
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        if GATED:
+            x, h2 = _gate(x, z_ptr + cols, g_ptr + cols, cols < K)
+            sq += h2
         acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
+    if GATED:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + tl.cast(eps, tl.float32))
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
-                       PDL: tl.constexpr):
+def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, stride_x, stride_w, stride_y, stride_z,
+                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -86,7 +103,9 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
     n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    z_rows = z_ptr + rm.to(tl.int64)[:, None] * stride_z
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([16], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + rk
         if EVEN_K:
@@ -96,10 +115,17 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
             k_ok = (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        if GATED:
+            xg, h2 = _gate(x.to(tl.float32), z_rows + cols[None, :], g_ptr + cols[None, :],
+                           m_ok[:, None] & (cols < K)[None, :])
+            sq += tl.sum(h2, axis=1)
+            x = xg.to(w.dtype)
         if F32_DOT:  # fp32 inputs (no tf32), and the interpreter (bf16 is unreliable there): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+    if GATED:
+        acc = acc * tl.rsqrt(sq / K + tl.cast(eps, tl.float32))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
@@ -113,13 +139,16 @@ DOT_MID = dict(kind="dot", block_n=32, block_k=128, warps=4, stages=4)
 DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 
 
-def pick_config(M: int, Ns: list[int], K: int) -> dict | None:
+def pick_config(M: int, Ns: list[int], K: int, gated: bool = False) -> dict | None:
     """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS.
     2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
-    (``bench/linear.py --sweep``); below that cuBLAS is as fast."""
-    if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP:
+    (``bench/linear.py --sweep``); below that cuBLAS is as fast. gated (a gated RMSNorm prologue, one weight):
+    up to 16 rows, since the alternative is a norm kernel plus cuBLAS."""
+    if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
     nbytes = Ns[0] * K * 2
+    if gated and 1 < M <= 16:
+        return DOT_BIG if nbytes >= 128 << 20 else DOT_MID
     if 1 < M <= 16 and len(Ns) == 1 and nbytes >= 128 << 20:
         return DOT_BIG
     if M != 1:
@@ -130,20 +159,26 @@ def pick_config(M: int, Ns: list[int], K: int) -> dict | None:
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
-                  config: dict | None = None) -> list[torch.Tensor]:
+                  config: dict | None = None, gate: tuple | None = None) -> list[torch.Tensor]:
     """x [M, K] (rows contiguous), weights [N_i, K] (rows contiguous; 1-3 of them, gemv: M == 1; bias only with one
-    weight) -> [x @ w_i^T (+ bias)] in x.dtype."""
+    weight) -> [x @ w_i^T (+ bias)] in the weights' dtype.
+
+    gate = (z [M, K] (rows contiguous), norm weight [K], eps): the input is first HF's gated RMSNorm of x
+    (one group of K; see ``_gate``), x and z in any float dtype. One weight only."""
     M, K = x.shape
     Ns = [w.shape[0] for w in weights]
-    cfg = config or pick_config(M, Ns, K)
+    cfg = config or pick_config(M, Ns, K, gate is not None)
     assert cfg is not None, f"no Triton config for M={M}, N={Ns}, K={K}: use F.linear"
     assert all(w.shape[1] == K and w.stride(1) == 1 for w in weights) and x.stride(1) == 1, \
         "x and the weights must have contiguous rows of K"
     assert bias is None or len(weights) == 1, "bias only with a single weight"
-    ys = [torch.empty(M, n, dtype=x.dtype, device=x.device) for n in Ns]
+    assert gate is None or (len(weights) == 1 and gate[0].shape == x.shape and gate[0].stride(1) == 1
+                            and gate[1].shape == (K,) and gate[1].stride(0) == 1), "gate: z like x, norm weight [K]"
+    ys = [torch.empty(M, n, dtype=weights[0].dtype, device=x.device) for n in Ns]
     if M == 0:
         return ys
     b = bias if bias is not None else x  # a valid pointer, never read
+    z, g, eps = gate if gate is not None else (x, x, 0.0)
     even_k = K % cfg["block_k"] == 0
     use_pdl = pdl() and x.is_cuda
     opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
@@ -154,14 +189,15 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         bn = cfg["block_n"]
         w3, y3, n3 = (weights + [weights[0]] * 2)[:3], (ys + [ys[0]] * 2)[:3], (Ns + [0, 0])[:3]
         grid = (sum(triton.cdiv(n, bn) for n in Ns),)
-        _gemv_kernel[grid](x, *w3, *y3, b, *n3, K, *(w.stride(0) for w in w3), NUM_W=len(weights),
-                           HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
+        _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3), NUM_W=len(weights),
+                           HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
         return ys
     assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]
     bn = max(16, cfg["block_n"])
-    _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
-                                                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
+    _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, z, g, float(eps), M, Ns[0], K, x.stride(0),
+                                                  w.stride(0), y.stride(0), z.stride(0), HAS_BIAS=bias is not None,
+                                                  GATED=gate is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
                                                   EVEN_K=even_k,
-                                                  F32_DOT=interpreting() or x.dtype == torch.float32, **opts)
+                                                  F32_DOT=interpreting() or w.dtype == torch.float32, **opts)
     return ys

@@ -3,7 +3,8 @@
 The row count is only known per call (one graph serves every batch size), so the choice is made at run time:
 one row on CUDA in fp16/bf16 (or up to 16 rows times an lm_head-sized weight) -> the Triton kernels (kernels.py,
 ``pick_config``); anything else -> ``F.linear`` (cuBLAS, or the CPU).
-The fake implementations give shapes only. ``linear_group`` computes 1-3 linears of one input in one launch.
+The fake implementations give shapes only. ``linear_group`` computes 1-3 linears of one input in one launch;
+``gated_norm_linear`` is Mamba2's gated RMSNorm and out projection in one launch.
 """
 from __future__ import annotations
 
@@ -17,19 +18,26 @@ from ..library import op_name, use_triton
 from .kernels import DTYPES, linear_triton, pick_config
 
 
-def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor]) -> Optional[Tensor]:
+def _rows(t: Tensor) -> Tensor:
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], gated: bool = False) -> Optional[Tensor]:
     """x as [M, K] rows when the Triton kernels take this call, else None."""
-    if not use_triton(x) or x.dtype not in DTYPES or x.dim() == 0:
+    if not use_triton(x) or x.dim() == 0 or not (x.dtype in DTYPES or gated and x.is_floating_point()):
         return None
-    if any(w.dtype != x.dtype or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device for w in weights):
+    dtype = weights[0].dtype if gated else x.dtype
+    if dtype not in DTYPES:
         return None
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != weights[0].shape[:1] or bias.stride(0) != 1):
+    if any(w.dtype != dtype or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device for w in weights):
+        return None
+    if bias is not None and (bias.dtype != dtype or bias.shape != weights[0].shape[:1] or bias.stride(0) != 1):
         return None
     K = x.shape[-1]
-    if K == 0 or pick_config(x.numel() // K, [w.shape[0] for w in weights], K) is None:
+    if K == 0 or pick_config(x.numel() // K, [w.shape[0] for w in weights], K, gated) is None:
         return None
-    rows = x.reshape(-1, K)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return _rows(x)
 
 
 @torch.library.custom_op(op_name("linear"), mutates_args=())
@@ -58,3 +66,26 @@ def linear_group(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 @linear_group.register_fake
 def _(x, weights):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+@torch.library.custom_op(op_name("gated_norm_linear"), mutates_args=())
+def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, group_size: int, weight: Tensor,
+                      bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(gated_rms_norm(x, z, norm_weight, eps, group_size).to(weight.dtype), weight, bias)``: HF's
+    MambaRMSNormGated then the out projection. One kernel (the norm as the linear's prologue) where the Triton
+    kernels take the shape and the norm has one group; the norm op then ``hybrid::linear`` otherwise."""
+    K = x.shape[-1]
+    rows = None
+    if group_size == K and z.shape == x.shape and norm_weight.shape == (K,) and norm_weight.stride(0) == 1:
+        rows = _triton_rows(x, [weight], bias, gated=True)
+    if rows is None:
+        from ..ssm import ops as _ssm  # noqa: F401  (registers hybrid::gated_rms_norm; ssm imports this module)
+        y = torch.ops.hybrid.gated_rms_norm(x, z, norm_weight, eps, group_size)
+        return torch.ops.hybrid.linear(y.to(weight.dtype), weight, bias)
+    out = linear_triton(rows, [weight], bias, gate=(_rows(z), norm_weight, eps))[0]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@gated_norm_linear.register_fake
+def _(x, z, norm_weight, eps, group_size, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)

@@ -8,7 +8,8 @@ the last W conv inputs, zero-padded on the left).
 first), which it updates in place.
 The projections are ``F.linear`` at prefill (cuBLAS through Inductor) and ``hybrid::linear`` at decode (Triton
 one-row kernels at batch 1, cuBLAS otherwise: runtime/ops/linear); conv, scan, state update and gated norm are
-the hybrid kernels. ``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
+the hybrid kernels; at decode the gated norm runs as the out projection's prologue (``hybrid::gated_norm_linear``).
+``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
 after the conv).
 """
 from __future__ import annotations
@@ -164,5 +165,5 @@ def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor
     y = torch.ops.hybrid.ssd_state_update(ssm_state, x.reshape(bsz, heads, head_dim), dt, A_log,
                                           b.reshape(bsz, groups, n), c.reshape(bsz, groups, n), D, None, dt_bias,
                                           True, 0.0, float("inf"), None, True)
-    y = torch.ops.hybrid.gated_rms_norm(y.reshape(bsz, 1, d_inner), gate[:, None], norm_w, eps, norm_group)
-    return torch.ops.hybrid.linear(y.to(hidden.dtype), out_proj_w, out_proj_b)
+    return torch.ops.hybrid.gated_norm_linear(y.reshape(bsz, 1, d_inner), gate[:, None], norm_w, eps, norm_group,
+                                              out_proj_w, out_proj_b)
