@@ -67,12 +67,18 @@ def model_shapes(names: list[str]) -> list[tuple[str, str, tuple[int, ...], int]
     return out
 
 
-def sweep_configs(M: int, n_weights: int) -> list[dict]:
+def sweep_configs(M: int, n_weights: int, dot: bool = True) -> list[dict]:
     cfgs = []
     if M == 1:
         for bn, bk, w, st in itertools.product([1, 2, 4, 8], [512, 1024], [4, 8], [3, 4]):
             cfgs.append(dict(kind="gemv", block_n=bn, block_k=bk, warps=w, stages=st))
     if n_weights > 1:
+        return cfgs
+    if 1 < M <= 16:
+        for bn, bk, w, st in itertools.product([4, 8, 16], [128, 256, 512], [4, 8], [2, 3]):
+            if M * bn * bk <= 32768:  # the fp32 partial products fit the registers
+                cfgs.append(dict(kind="rows", block_n=bn, block_k=bk, warps=w, stages=st))
+    if not dot:
         return cfgs
     for bn, bk, st in itertools.product([16, 32, 64], [64, 128, 256], [3, 4, 5]):
         cfgs.append(dict(kind="dot", block_n=bn, block_k=bk, warps=4, stages=st))
@@ -181,7 +187,7 @@ def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
                                 for i in range(R)])
     if args.sweep:
         best = None
-        for cfg in sweep_configs(M, 1):
+        for cfg in sweep_configs(M, 1, dot=False):
             t = per_call_us([lambda i=i: linear_triton(y, [ws[i % copies]], config=cfg, gate=(z, nw, 1e-5))
                              for i in range(R)])
             best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])

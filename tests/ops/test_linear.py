@@ -48,6 +48,13 @@ def test_dot_kernel_matches_linear(M, N, K):
     _close(linear_triton(x, [w], bias, config=dict(kernels.DOT_MID, block_k=64))[0], x, w, bias)
 
 
+@pytest.mark.parametrize("M,N,K", [(2, 33, 130), (7, 64, 512)])
+def test_rows_kernel_matches_linear(M, N, K):
+    x, (w,) = _data((N,), K, M, torch.float32, M + N + K)
+    bias = torch.randn(N).to(DEV)
+    _close(linear_triton(x, [w], bias, config=dict(kernels.GEMV_ROWS, block_k=128))[0], x, w, bias)
+
+
 def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [2048], 2048) == kernels.GEMV
     assert pick_config(1, [102400], 2048) == kernels.DOT_BIG
@@ -57,6 +64,10 @@ def test_pick_config_leaves_cublas_shapes():
     assert pick_config(17, [102400], 2048) is None      # the dot kernel's tile holds 16 rows
     assert pick_config(1, [2048], 10944) is None         # long K wants a split-K: cuBLAS
     assert pick_config(1, [64] * 4, 256) is None         # at most three weights per launch
+    assert pick_config(1, [2560], 5120, gated=True) == kernels.GEMV_GATED
+    assert pick_config(8, [2560], 5120, gated=True) == kernels.GEMV_ROWS  # 2-16 rows: CUDA cores, not the dot
+    assert pick_config(17, [2560], 5120, gated=True) is None
+    assert pick_config(1, [2560, 64], 5120, gated=True) is None
 
 
 def test_ops_dispatch(monkeypatch):
@@ -107,7 +118,8 @@ def _gated_want(x, z, g, eps, w, bias=None):
 
 
 @pytest.mark.parametrize("M,N,K,kind", [(1, 33, 130, "gemv"), (1, 40, 512, "gemv"), (1, 33, 130, "dot"),
-                                        (3, 17, 200, "dot"), (16, 64, 256, "dot")])
+                                        (3, 17, 200, "dot"), (16, 64, 256, "dot"), (2, 33, 130, "rows"),
+                                        (5, 40, 512, "rows"), (16, 9, 300, "rows")])
 def test_gated_prologue_matches_norm_then_linear(M, N, K, kind):
     """HF's gated RMSNorm (one group) as the kernels' prologue: x, z with a row stride (z a slice of a wider
     projection, as Mamba2's gate is), bias, fp32 so the comparison is tight."""
@@ -117,7 +129,8 @@ def test_gated_prologue_matches_norm_then_linear(M, N, K, kind):
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
     bias = torch.randn(N, generator=g).to(DEV)
-    cfg = dict(kernels.GEMV, block_k=128) if kind == "gemv" else dict(kernels.DOT_MID, block_k=64)
+    cfg = {"gemv": dict(kernels.GEMV, block_k=128), "dot": dict(kernels.DOT_MID, block_k=64),
+           "rows": dict(kernels.GEMV_ROWS, block_k=128)}[kind]
     got = linear_triton(x, [w], bias, config=cfg, gate=(z, nw, 1e-5))[0]
     want = _gated_want(x, z, nw, 1e-5, w, bias)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -127,23 +140,26 @@ def test_gated_norm_linear_op(monkeypatch):
     """The op: fused launch where the kernels take it (one launch, bf16 within rounding of norm-then-linear, fp32
     activations into a bf16 weight); two groups or 17 rows fall back to the norm op then hybrid::linear."""
     import runtime.ops  # noqa: F401
+    from runtime.ops.linear import ops
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(2, 1, 96, generator=g).to(DEV)
-    z = torch.randn(2, 1, 96, generator=g).to(DEV, torch.bfloat16)
+    x = torch.randn(1, 1, 96, generator=g).to(DEV)
+    z = torch.randn(1, 1, 96, generator=g).to(DEV, torch.bfloat16)
     nw = (1 + 0.1 * torch.randn(96, generator=g)).to(DEV, torch.bfloat16)
     w = (torch.randn(40, 96, generator=g) / 96 ** 0.5).to(DEV, torch.bfloat16)
     op = torch.ops.hybrid.gated_norm_linear
     want = _gated_want(x, z, nw, 1e-6, w)
     if DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
-    calls = []
-    monkeypatch.setattr("runtime.ops.linear.kernels._skinny_dot_kernel", _Spy(kernels._skinny_dot_kernel, calls))
+    gated = []
+    real = ops.linear_triton
+    monkeypatch.setattr(ops, "linear_triton", lambda *a, gate=None, **k: gated.append(gate is not None) or
+                        real(*a, gate=gate, **k))
     y = op(x, z, nw, 1e-6, 96, w, None)
-    assert y.shape == (2, 1, 40) and y.dtype == torch.bfloat16 and len(calls) == 1
+    assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16 and gated == [True]
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    for xs, zs, group in ((x, z, 48), (x.expand(2, 17, 96), z.expand(2, 17, 96), 96)):
+    for xs, zs, group in ((x, z, 48), (x.expand(17, 1, 96), z.expand(17, 1, 96), 96)):
         from runtime.ops.ssm.reference import gated_rms_norm_ref
         y = op(xs, zs, nw, 1e-6, group, w, None)
         ref = F.linear(gated_rms_norm_ref(xs, zs, nw, 1e-6, group).to(torch.bfloat16), w)
-        assert len(calls) == 1 and y.shape == ref.shape
+        assert True not in gated[1:] and y.shape == ref.shape
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())

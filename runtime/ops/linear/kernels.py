@@ -10,6 +10,9 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
   ``kv_a_proj``, ``gate_proj`` + ``up_proj``, ``q/k/v_proj``): one kernel's fixed cost instead of three.
 - ``_skinny_dot_kernel``: the row (or up to 16 rows) in a 16-row tensor-core tile, wider BLOCK_N; faster for
   weights of 40 MB and more at one row, and for lm_head-sized weights (128 MB and more) at up to 16 rows.
+- ``_gemv_rows_kernel``: the gemv for 2-16 rows (CUDA cores); Mamba2's gated out projection at small batches.
+- ``_gate``: HF's gated RMSNorm (Mamba2, one group) as a prologue of the gemv kernels (``gate=`` of
+  ``linear_triton``): Mamba2's norm and out projection in one launch.
 
 On Hopper both launch with programmatic dependent launch (``library.pdl``): a kernel may be scheduled while the
 one before it drains; it waits (``gdc_wait``) before its first load.
@@ -89,6 +92,43 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
 
 
 @triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, stride_x, stride_w, stride_y, stride_z,
+                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The gemv for 2-16 rows: every weight element loaded once is used by all ROWS rows on the CUDA cores."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    n0 = tl.program_id(0) * BLOCK_N
+    rm = tl.arange(0, ROWS)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    z_rows = z_ptr + rm.to(tl.int64)[:, None] * stride_z
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + rk
+        ok = m_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        if GATED:
+            x, h2 = _gate(x, z_rows + cols[None, :], g_ptr + cols[None, :], ok)
+            sq += h2
+        acc += w[None, :, :] * x[:, None, :]
+    y = tl.sum(acc, axis=2)
+    if GATED:
+        y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + tl.cast(eps, tl.float32))[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, stride_x, stride_w, stride_y, stride_z,
                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        EVEN_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
@@ -137,18 +177,24 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, s
 GEMV = dict(kind="gemv", block_n=4, block_k=512, warps=8, stages=3)
 DOT_MID = dict(kind="dot", block_n=32, block_k=128, warps=4, stages=4)
 DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
+#: gated norm prologue (Mamba2's out_proj, 26 MB, one row): 9.6 us vs 13.3 us at GEMV's config, whose 512-wide
+#: steps spend proportionally more on the x / z / norm-weight loads (bench/linear.py --gated --sweep, 2026-11-30)
+GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
+GEMV_ROWS = dict(kind="rows", block_n=8, block_k=256, warps=8, stages=3)
 
 
 def pick_config(M: int, Ns: list[int], K: int, gated: bool = False) -> dict | None:
     """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS.
     2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
     (``bench/linear.py --sweep``); below that cuBLAS is as fast. gated (a gated RMSNorm prologue, one weight):
-    up to 16 rows, since the alternative is a norm kernel plus cuBLAS."""
+    one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
     nbytes = Ns[0] * K * 2
-    if gated and 1 < M <= 16:
-        return DOT_BIG if nbytes >= 128 << 20 else DOT_MID
+    if gated:  # not the dot kernel: its prologue runs in the dot operand's layout, redundantly per warp (7% of
+        if nbytes >= 40 << 20 or M > 16:  # the bandwidth at 2-16 rows, bench/linear.py --gated)
+            return None
+        return GEMV_GATED if M == 1 else GEMV_ROWS
     if 1 < M <= 16 and len(Ns) == 1 and nbytes >= 128 << 20:
         return DOT_BIG
     if M != 1:
@@ -192,8 +238,15 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3), NUM_W=len(weights),
                            HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
         return ys
-    assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
+    assert len(weights) == 1 and M <= 16, "the dot and rows kernels take one weight and at most 16 rows"
     w, y = weights[0], ys[0]
+    if cfg["kind"] == "rows":
+        bn = cfg["block_n"]
+        _gemv_rows_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, z, g, float(eps), M, Ns[0], K, x.stride(0), w.stride(0),
+                                                     y.stride(0), z.stride(0), HAS_BIAS=bias is not None,
+                                                     GATED=gate is not None, ROWS=max(2, triton.next_power_of_2(M)),
+                                                     BLOCK_N=bn, BLOCK_K=cfg["block_k"], **opts)
+        return ys
     bn = max(16, cfg["block_n"])
     _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, z, g, float(eps), M, Ns[0], K, x.stride(0),
                                                   w.stride(0), y.stride(0), z.stride(0), HAS_BIAS=bias is not None,
