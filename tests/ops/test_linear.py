@@ -48,13 +48,6 @@ def test_dot_kernel_matches_linear(M, N, K):
     _close(linear_triton(x, [w], bias, config=dict(kernels.DOT_MID, block_k=64))[0], x, w, bias)
 
 
-@pytest.mark.parametrize("M,N,K", [(2, 33, 130), (7, 64, 512)])
-def test_rows_kernel_matches_linear(M, N, K):
-    x, (w,) = _data((N,), K, M, torch.float32, M + N + K)
-    bias = torch.randn(N).to(DEV)
-    _close(linear_triton(x, [w], bias, config=dict(kernels.GEMV_ROWS, block_k=128))[0], x, w, bias)
-
-
 def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [2048], 2048) == kernels.GEMV
     assert pick_config(1, [102400], 2048) == kernels.DOT_BIG
@@ -65,8 +58,7 @@ def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [2048], 10944) is None         # long K wants a split-K: cuBLAS
     assert pick_config(1, [64] * 4, 256) is None         # at most three weights per launch
     assert pick_config(1, [2560], 5120, gated=True) == kernels.GEMV_GATED
-    assert pick_config(8, [2560], 5120, gated=True) == kernels.GEMV_ROWS  # 2-16 rows: CUDA cores, not the dot
-    assert pick_config(17, [2560], 5120, gated=True) is None
+    assert pick_config(8, [2560], 5120, gated=True) is None  # more rows: the norm kernel, then cuBLAS
     assert pick_config(1, [2560, 64], 5120, gated=True) is None
 
 
@@ -117,28 +109,25 @@ def _gated_want(x, z, g, eps, w, bias=None):
     return F.linear(h, w.float(), None if bias is None else bias.float())
 
 
-@pytest.mark.parametrize("M,N,K,kind", [(1, 33, 130, "gemv"), (1, 40, 512, "gemv"), (1, 33, 130, "dot"),
-                                        (3, 17, 200, "dot"), (16, 64, 256, "dot"), (2, 33, 130, "rows"),
-                                        (5, 40, 512, "rows"), (16, 9, 300, "rows")])
-def test_gated_prologue_matches_norm_then_linear(M, N, K, kind):
+@pytest.mark.parametrize("N,K,block_k", [(33, 130, 128), (40, 512, 128), (9, 300, 1024)])
+def test_gated_prologue_matches_norm_then_linear(N, K, block_k):
     """HF's gated RMSNorm (one group) as the kernels' prologue: x, z with a row stride (z a slice of a wider
     projection, as Mamba2's gate is), bias, fp32 so the comparison is tight."""
-    g = torch.Generator().manual_seed(M * N + K)
+    M = 1
+    g = torch.Generator().manual_seed(N + K + block_k)
     x = (torch.randn(M, K, generator=g) * 3).to(DEV)
     z = torch.randn(M, K + 7, generator=g).to(DEV)[:, 5:K + 5]
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
     bias = torch.randn(N, generator=g).to(DEV)
-    cfg = {"gemv": dict(kernels.GEMV, block_k=128), "dot": dict(kernels.DOT_MID, block_k=64),
-           "rows": dict(kernels.GEMV_ROWS, block_k=128)}[kind]
-    got = linear_triton(x, [w], bias, config=cfg, gate=(z, nw, 1e-5))[0]
+    got = linear_triton(x, [w], bias, config=dict(kernels.GEMV_GATED, block_k=block_k), gate=(z, nw, 1e-5))[0]
     want = _gated_want(x, z, nw, 1e-5, w, bias)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_gated_norm_linear_op(monkeypatch):
     """The op: fused launch where the kernels take it (one launch, bf16 within rounding of norm-then-linear, fp32
-    activations into a bf16 weight); two groups or 17 rows fall back to the norm op then hybrid::linear."""
+    activations into a bf16 weight); two groups or two rows fall back to the norm op then hybrid::linear."""
     import runtime.ops  # noqa: F401
     from runtime.ops.linear import ops
     g = torch.Generator().manual_seed(11)
@@ -157,9 +146,62 @@ def test_gated_norm_linear_op(monkeypatch):
     y = op(x, z, nw, 1e-6, 96, w, None)
     assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16 and gated == [True]
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    for xs, zs, group in ((x, z, 48), (x.expand(17, 1, 96), z.expand(17, 1, 96), 96)):
+    for xs, zs, group in ((x, z, 48), (x.expand(2, 1, 96), z.expand(2, 1, 96), 96)):
         from runtime.ops.ssm.reference import gated_rms_norm_ref
         y = op(xs, zs, nw, 1e-6, group, w, None)
         ref = F.linear(gated_rms_norm_ref(xs, zs, nw, 1e-6, group).to(torch.bfloat16), w)
         assert True not in gated[1:] and y.shape == ref.shape
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def _conv_case(M, N, K, C, W, KW, seed, bias):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
+    b = torch.randn(N, generator=g).to(DEV) if bias else None
+    pool = torch.randn(M + 2, C, W, generator=g).to(DEV)  # the state rows are a strided view, as a cache slot is
+    state = pool[1:M + 1]
+    cw = torch.randn(C, KW, generator=g).to(DEV)
+    cb = torch.randn(C, generator=g).to(DEV) if bias else None
+    return x, w, b, pool, state, cw, cb
+
+
+@pytest.mark.parametrize("M,N,K,C,c0,W,KW,bias", [(1, 70, 130, 40, 9, 4, 4, True), (3, 64, 96, 33, 16, 5, 4, False),
+                                                  (16, 50, 64, 50, 0, 4, 3, True)])
+def test_dot_conv_epilogue_matches_linear_then_conv(M, N, K, C, c0, W, KW, bias):
+    """The projection + conv-update kernel vs F.linear then the conv update's reference: projection, conv output and
+    the state rows (shifted in place; the rows around them untouched). Conv channels straddle program tiles."""
+    from runtime.ops.ssm.reference import causal_conv1d_update_ref
+    x, w, b, pool, state, cw, cb = _conv_case(M, N, K, C, W, KW, M * N + C, bias)
+    want_pool = pool.clone()
+    want_y = F.linear(x, w, b)
+    want_c = causal_conv1d_update_ref(want_y[:, c0:c0 + C], want_pool[1:M + 1], cw, cb, "silu", None)
+    y, c = kernels.linear_conv_triton(x, w, b, state, cw, cb, c0, config=dict(kernels.DOT_MID, block_n=16,
+                                                                                block_k=64))
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c, want_c, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)  # the new column: our projection
+
+
+def test_linear_conv_op(monkeypatch):
+    """The op (bf16): fused where the dot kernel takes the projection, the two ops otherwise; both agree with
+    F.linear + the conv reference in fp32, and both update the state in place."""
+    import runtime.ops  # noqa: F401
+    from runtime.ops.linear import ops
+    from runtime.ops.ssm.reference import causal_conv1d_update_ref
+    x, w, b, pool, state, cw, cb = (t.to(torch.bfloat16) for t in _conv_case(1, 70, 130, 40, 4, 4, 5, True))
+    state = pool[1:2]
+    if DEV == "cpu":
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    fused = []
+    real = ops.linear_conv_triton
+    monkeypatch.setattr(ops, "linear_conv_triton", lambda *a, **k: fused.append(1) or real(*a, **k))
+    for take in (True, False):
+        monkeypatch.setattr(ops, "conv_config", lambda M, N, K: dict(kernels.DOT_MID, block_k=64) if take else None)
+        want_pool = pool.float()
+        want_y = F.linear(x.float(), w.float(), b.float())
+        want_c = causal_conv1d_update_ref(want_y[:, 9:49], want_pool[1:2], cw.float(), cb.float(), "silu", None)
+        y, c = torch.ops.hybrid.linear_conv(x.view(1, 1, -1), w, b, state, cw, cb, 9)
+        assert len(fused) == 1 and y.shape == (1, 1, 70) and c.shape == (1, 40) and c.dtype == torch.bfloat16
+        for got, want in ((y.view(1, -1), want_y), (c, want_c), (pool, want_pool)):
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -10,7 +10,8 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
   ``kv_a_proj``, ``gate_proj`` + ``up_proj``, ``q/k/v_proj``): one kernel's fixed cost instead of three.
 - ``_skinny_dot_kernel``: the row (or up to 16 rows) in a 16-row tensor-core tile, wider BLOCK_N; faster for
   weights of 40 MB and more at one row, and for lm_head-sized weights (128 MB and more) at up to 16 rows.
-- ``_gemv_rows_kernel``: the gemv for 2-16 rows (CUDA cores); Mamba2's gated out projection at small batches.
+- ``_skinny_dot_conv_kernel``: the dot kernel with Mamba2's conv update as the epilogue: at decode the in projection
+  owns each conv channel's column, so it also shifts that channel's state and writes the conv output (one launch).
 - ``_gate``: HF's gated RMSNorm (Mamba2, one group) as a prologue of the gemv kernels (``gate=`` of
   ``linear_triton``): Mamba2's norm and out projection in one launch.
 
@@ -92,60 +93,15 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, stride_x, stride_w, stride_y, stride_z,
-                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """The gemv for 2-16 rows: every weight element loaded once is used by all ROWS rows on the CUDA cores."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    n0 = tl.program_id(0) * BLOCK_N
-    rm = tl.arange(0, ROWS)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    z_rows = z_ptr + rm.to(tl.int64)[:, None] * stride_z
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + rk
-        ok = m_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-        if GATED:
-            x, h2 = _gate(x, z_rows + cols[None, :], g_ptr + cols[None, :], ok)
-            sq += h2
-        acc += w[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, axis=2)
-    if GATED:
-        y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + tl.cast(eps, tl.float32))[:, None]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, stride_x, stride_w, stride_y, stride_z,
-                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    n0 = tl.program_id(0) * BLOCK_N
-    rm = tl.arange(0, 16)
-    rn = n0 + tl.arange(0, BLOCK_N)
+def _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+    """x [M <= 16, K] times the weight rows rn: a [16, len(rn)] fp32 tile."""
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-    z_rows = z_ptr + rm.to(tl.int64)[:, None] * stride_z
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    sq = tl.zeros([16], dtype=tl.float32)
+    acc = tl.zeros([16, rn.shape[0]], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + rk
         if EVEN_K:
@@ -155,21 +111,70 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, g_ptr, eps, M, N, K, s
             k_ok = (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-        if GATED:
-            xg, h2 = _gate(x.to(tl.float32), z_rows + cols[None, :], g_ptr + cols[None, :],
-                           m_ok[:, None] & (cols < K)[None, :])
-            sq += tl.sum(h2, axis=1)
-            x = xg.to(w.dtype)
         if F32_DOT:  # fp32 inputs (no tf32), and the interpreter (bf16 is unreliable there): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    if GATED:
-        acc = acc * tl.rsqrt(sq / K + tl.cast(eps, tl.float32))[:, None]
+    return acc
+
+
+@triton.jit
+def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
+                       PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rm = tl.arange(0, 16)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K, EVEN_K, F32_DOT)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _skinny_dot_conv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, st_ptr, cw_ptr, cb_ptr, c_ptr, M, N, K, C0, C,
+                            stride_x, stride_w, stride_y, ss_b, ss_c, ss_w, scw_c, scw_k, sc_b,
+                            HAS_BIAS: tl.constexpr, CONV_BIAS: tl.constexpr, KW: tl.constexpr, W: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            F32_DOT: tl.constexpr, PDL: tl.constexpr):
+    """The skinny dot with Mamba's depthwise causal conv update as its epilogue (decode): the output columns
+    C0 .. C0 + C - 1 are conv channels. Each is owned by one program, which appends the column's value (rounded to
+    the output dtype, as HF's projection is) to that channel's state row [W] in place and writes
+    silu(conv + conv bias) to c [M, C]; y keeps every column as projected."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rm = tl.arange(0, 16)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K, EVEN_K, F32_DOT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(y_ptr.dtype.element_ty)
+    m_ok = (rm < M)[:, None]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], out, mask=m_ok & (rn < N)[None, :])
+    ch = rn - C0
+    ok = m_ok & ((ch >= 0) & (ch < C) & (rn < N))[None, :]
+    conv = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    if CONV_BIAS:
+        conv += tl.load(cb_ptr + ch, mask=(ch >= 0) & (ch < C), other=0.0).to(tl.float32)[None, :]
+    st = st_ptr + rm.to(tl.int64)[:, None] * ss_b + ch[None, :] * ss_c
+    # shift the state row left by one and append the new value; the thread that reads column j+1 writes column j
+    for j in tl.static_range(W):
+        if j < W - 1:
+            v_raw = tl.load(st + (j + 1) * ss_w, mask=ok, other=0.0)
+            tl.store(st + j * ss_w, v_raw, mask=ok)
+            v = v_raw.to(tl.float32)
+        else:
+            tl.store(st + j * ss_w, out.to(st_ptr.dtype.element_ty), mask=ok)
+            v = out.to(tl.float32)
+        if j >= W - KW:
+            wk = tl.load(cw_ptr + ch * scw_c + (j - (W - KW)) * scw_k, mask=(ch >= 0) & (ch < C), other=0.0)
+            conv += wk.to(tl.float32)[None, :] * v
+    conv = conv / (1.0 + tl.exp(-conv))
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * sc_b + ch[None, :], conv.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 #: configs measured on the H200 (bench/linear.py --sweep, 2026-11-30): the best for every one-row shape below
@@ -180,7 +185,6 @@ DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 #: gated norm prologue (Mamba2's out_proj, 26 MB, one row): 9.6 us vs 13.3 us at GEMV's config, whose 512-wide
 #: steps spend proportionally more on the x / z / norm-weight loads (bench/linear.py --gated --sweep, 2026-11-30)
 GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
-GEMV_ROWS = dict(kind="rows", block_n=8, block_k=256, warps=8, stages=3)
 
 
 def pick_config(M: int, Ns: list[int], K: int, gated: bool = False) -> dict | None:
@@ -191,10 +195,9 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False) -> dict | No
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
     nbytes = Ns[0] * K * 2
-    if gated:  # not the dot kernel: its prologue runs in the dot operand's layout, redundantly per warp (7% of
-        if nbytes >= 40 << 20 or M > 16:  # the bandwidth at 2-16 rows, bench/linear.py --gated)
-            return None
-        return GEMV_GATED if M == 1 else GEMV_ROWS
+    if gated:  # one row: at 2-16 rows the dot kernel (prologue in the dot operand's layout, redundant per warp)
+        # reached 7% of the bandwidth and a multi-row CUDA-core gemv 12-41% (bench/linear.py --gated): cuBLAS
+        return GEMV_GATED if M == 1 and nbytes < 40 << 20 else None
     if 1 < M <= 16 and len(Ns) == 1 and nbytes >= 128 << 20:
         return DOT_BIG
     if M != 1:
@@ -238,19 +241,50 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3), NUM_W=len(weights),
                            HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
         return ys
-    assert len(weights) == 1 and M <= 16, "the dot and rows kernels take one weight and at most 16 rows"
+    assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]
-    if cfg["kind"] == "rows":
-        bn = cfg["block_n"]
-        _gemv_rows_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, z, g, float(eps), M, Ns[0], K, x.stride(0), w.stride(0),
-                                                     y.stride(0), z.stride(0), HAS_BIAS=bias is not None,
-                                                     GATED=gate is not None, ROWS=max(2, triton.next_power_of_2(M)),
-                                                     BLOCK_N=bn, BLOCK_K=cfg["block_k"], **opts)
-        return ys
+    assert gate is None, "the dot kernel has no gated prologue (the gemv kernels do)"
     bn = max(16, cfg["block_n"])
-    _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, z, g, float(eps), M, Ns[0], K, x.stride(0),
-                                                  w.stride(0), y.stride(0), z.stride(0), HAS_BIAS=bias is not None,
-                                                  GATED=gate is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
-                                                  EVEN_K=even_k,
-                                                  F32_DOT=interpreting() or w.dtype == torch.float32, **opts)
+    _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
+                                                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
+                                                  EVEN_K=even_k, F32_DOT=interpreting() or w.dtype == torch.float32,
+                                                  **opts)
     return ys
+
+
+def conv_config(M: int, N: int, K: int) -> dict | None:
+    """Config for the projection + conv-update kernel: where ``pick_config`` takes the rows to the dot kernel."""
+    cfg = pick_config(M, [N], K)
+    return cfg if cfg is not None and cfg["kind"] == "dot" else None
+
+
+def linear_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                       conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, c0: int,
+                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x @ weight^T (+ bias), x [M <= 16, K]; then Mamba's causal conv update (silu) on the columns c0 .. c0 + C - 1
+    (C = conv_weight.shape[0]): conv_state [M, C, W] (rows = x's rows) updated in place, conv_weight [C, KW],
+    KW <= W. -> (y [M, N], silu(conv) [M, C]), in the weight's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    C, KW = conv_weight.shape
+    W = conv_state.shape[-1]
+    cfg = config or conv_config(M, N, K)
+    assert cfg is not None and cfg["kind"] == "dot", f"no dot config for M={M}, N={N}, K={K}"
+    assert conv_state.shape[:2] == (M, C) and KW <= W and 0 <= c0 and c0 + C <= N, "conv state / weight shapes"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and the weight must have contiguous rows"
+    y = torch.empty(M, N, dtype=weight.dtype, device=x.device)
+    out = torch.empty(M, C, dtype=weight.dtype, device=x.device)
+    if M == 0:
+        return y, out
+    use_pdl = pdl() and x.is_cuda
+    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
+    if use_pdl:
+        opts["launch_pdl"] = True
+    bn = max(16, cfg["block_n"])
+    _skinny_dot_conv_kernel[(triton.cdiv(N, bn),)](
+        x, weight, bias if bias is not None else x, y, conv_state, conv_weight,
+        conv_bias if conv_bias is not None else conv_weight, out, M, N, K, c0, C, x.stride(0), weight.stride(0),
+        y.stride(0), *conv_state.stride(), *conv_weight.stride(), out.stride(0), HAS_BIAS=bias is not None,
+        CONV_BIAS=conv_bias is not None, KW=KW, W=W, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
+        EVEN_K=K % cfg["block_k"] == 0, F32_DOT=interpreting() or weight.dtype == torch.float32, **opts)
+    return y, out

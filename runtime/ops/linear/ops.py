@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..library import op_name, use_triton
-from .kernels import DTYPES, linear_triton, pick_config
+from .kernels import DTYPES, conv_config, linear_conv_triton, linear_triton, pick_config
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -89,3 +89,29 @@ def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, gro
 @gated_norm_linear.register_fake
 def _(x, z, norm_weight, eps, group_size, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
+
+
+@torch.library.custom_op(op_name("linear_conv"), mutates_args={"conv_state"})
+def linear_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_state: Tensor, conv_weight: Tensor,
+                conv_bias: Optional[Tensor], c0: int) -> tuple[Tensor, Tensor]:
+    """Mamba2's decode in projection and conv update: ``y = F.linear(x, weight, bias)`` ([B, 1, N]) and
+    ``causal_conv1d_update(y[..., c0:c0 + C], conv_state, conv_weight, conv_bias, "silu")`` ([B, C], conv_state
+    [B, C, W] in place). One launch where the dot kernel takes the projection (the conv is its epilogue); the two
+    ops otherwise."""
+    C = conv_weight.shape[0]
+    rows = _triton_rows(x, [weight], bias)
+    cfg = None if rows is None else conv_config(rows.shape[0], weight.shape[0], rows.shape[1])
+    if cfg is not None and conv_state.shape[0] == rows.shape[0] and conv_weight.dim() == 2:
+        y, c = linear_conv_triton(rows, weight, bias, conv_state, conv_weight, conv_bias, c0, config=cfg)
+        return y.view(*x.shape[:-1], -1), c
+    from ..ssm import ops as _ssm  # noqa: F401  (registers hybrid::causal_conv1d_update)
+    y = torch.ops.hybrid.linear(x, weight, bias)
+    xbc = y.reshape(-1, y.shape[-1])[:, c0:c0 + C]
+    return y, torch.ops.hybrid.causal_conv1d_update(xbc, conv_state, conv_weight, conv_bias, "silu", None)
+
+
+@linear_conv.register_fake
+def _(x, weight, bias, conv_state, conv_weight, conv_bias, c0):
+    rows = x.numel() // x.shape[-1]
+    return (x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype),
+            x.new_empty((rows, conv_weight.shape[0]), dtype=weight.dtype))

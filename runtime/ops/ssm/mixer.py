@@ -8,7 +8,8 @@ the last W conv inputs, zero-padded on the left).
 first), which it updates in place.
 The projections are ``F.linear`` at prefill (cuBLAS through Inductor) and ``hybrid::linear`` at decode (Triton
 one-row kernels at batch 1, cuBLAS otherwise: runtime/ops/linear); conv, scan, state update and gated norm are
-the hybrid kernels; at decode the gated norm runs as the out projection's prologue (``hybrid::gated_norm_linear``).
+the hybrid kernels. At decode the conv update runs as the in projection's epilogue (``hybrid::linear_conv``) and
+the gated norm as the out projection's prologue (``hybrid::gated_norm_linear``) where the Triton kernels take them.
 ``mask`` is HF's 2-D attention mask, applied where HF applies it (before in_proj and
 after the conv).
 """
@@ -156,10 +157,9 @@ def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor
     d_inner = heads * head_dim
     conv_dim = conv_w.shape[0]
     n = (conv_dim - d_inner) // (2 * groups)
-    proj = torch.ops.hybrid.linear(_masked(hidden, mask), in_proj_w, in_proj_b)[:, 0]
-    gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
-    xbc = torch.ops.hybrid.causal_conv1d_update(xbc, conv_state, conv_w.reshape(conv_dim, -1), conv_b, "silu",
-                                                None)
+    proj, xbc = torch.ops.hybrid.linear_conv(_masked(hidden, mask), in_proj_w, in_proj_b, conv_state,
+                                             conv_w.reshape(conv_dim, -1), conv_b, d_inner)
+    gate, _, dt = _mamba2_split(proj[:, 0], d_inner, conv_dim)
     xbc = _masked(xbc[:, None], mask)[:, 0]
     x, b, c = torch.split(xbc, [d_inner, groups * n, groups * n], dim=-1)
     y = torch.ops.hybrid.ssd_state_update(ssm_state, x.reshape(bsz, heads, head_dim), dt, A_log,
