@@ -402,7 +402,9 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton SSM kernels need a GPU")
 def test_compiled_ssm_prefill_chunks_on_the_gpu():
     """Mamba2 on the GPU default (passes + Inductor + recorded decode steps), a 31-token prompt in 8-token chunks:
-    the chunks after the first run hybrid::mamba2_mixer_chunk's Triton conv and SSD scan from the cached states."""
+    the chunks after the first run hybrid::mamba2_mixer_chunk's Triton conv and SSD scan from the cached states.
+    Where the installed HF Mamba2 does not continue a multi-token call from its cache (transformers 5.17 on the
+    H200), the engine's probe says so and prefills whole; tokens are HF's either way."""
     prompt = list(range(10, 41))
     model = zoo.build("mamba2", device="cuda")
     with torch.no_grad():
@@ -410,7 +412,12 @@ def test_compiled_ssm_prefill_chunks_on_the_gpu():
     engine = Engine(model, compile="hybrid-cudagraphs", max_prefill_tokens=8)
     out = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
     torch._dynamo.reset()
-    assert engine.stats["steps"] - engine.stats["decode_steps"] == 4 and out == ref
+    prefills = engine.stats["steps"] - engine.stats["decode_steps"]
+    if engine.prefill_note is None:
+        assert prefills == 4
+    else:
+        assert prefills == 1 and "does not continue" in engine.prefill_note
+    assert out == ref
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton launch configs only exist on the GPU")
