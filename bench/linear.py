@@ -204,15 +204,21 @@ def _gated_ref(y, z, nw):
     return gated_rms_norm_ref(y, z, nw, 1e-5, y.shape[-1]).float()
 
 
+def _cells(r: dict):
+    """A row's formatter of timing cells ("us (% of HBM)"), its error cell and its best swept config cell."""
+    f = lambda k: f"{r[k]:.2f} ({r[k.replace('_us', '_pct')]:.0f}%)" if k in r else "-"  # noqa: E731
+    err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+    best = r.get("best")
+    bcfg = f"{best['kind']} n{best['block_n']} k{best['block_k']} w{best['warps']} s{best['stages']}" if best else "-"
+    return f, err, bcfg
+
+
 def gated_table(rows: list[dict]) -> str:
     lines = ["| M | N x K | norm + cuBLAS us (% of 4.3 TB/s) | before: norm + hybrid::linear us (%) | ours, fused us (%) "
              "| x before | best swept us | best config | rel err |", "|" + "---|" * 9]
     for r in rows:
-        f = lambda k: f"{r[k]:.2f} ({r[k.replace('_us', '_pct')]:.0f}%)" if k in r else "-"  # noqa: E731
+        f, err, bcfg = _cells(r)
         ratio = f"{r['before_us'] / r['ours_us']:.2f}x" if "ours_us" in r else "-"
-        best = r.get("best")
-        bcfg = f"{best['kind']} n{best['block_n']} k{best['block_k']} w{best['warps']} s{best['stages']}" if best else "-"
-        err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
         lines.append(f"| {r['M']} | {r['N'][0]} x {r['K']} | {f('cublas_us')} | {f('before_us')} | {f('ours_us')} | "
                      f"{ratio} | {f('best_us')} | {bcfg} | {err} |")
     return "\n".join(lines)
@@ -222,11 +228,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | layer | M | N x K | MB | cuBLAS us (% of 4.3 TB/s) | ours us (%) | x cuBLAS | ours without PDL "
              "us (%) | best swept us | best config | rel err |", "|" + "---|" * 12]
     for r in rows:
-        f = lambda k: f"{r[k]:.2f} ({r[k.replace('_us', '_pct')]:.0f}%)" if k in r else "-"  # noqa: E731
+        f, err, bcfg = _cells(r)
         ratio = f"{r['cublas_us'] / r['ours_us']:.2f}x" if "ours_us" in r else "-"
-        err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-        best = r.get("best")
-        bcfg = f"{best['kind']} n{best['block_n']} k{best['block_k']} w{best['warps']} s{best['stages']}" if best else "-"
         n = "+".join(map(str, r["N"]))
         lines.append(f"| {r['model']} | {r['layer']} | {r['M']} | {n} x {r['K']} | {r['weight_mb']:.1f} | "
                      f"{f('cublas_us')} | {f('ours_us')} | {ratio} | {f('nopdl_us')} | {f('best_us')} | {bcfg} | {err} |")

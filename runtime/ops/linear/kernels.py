@@ -10,8 +10,8 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
   ``kv_a_proj``, ``gate_proj`` + ``up_proj``, ``q/k/v_proj``): one kernel's fixed cost instead of three.
 - ``_skinny_dot_kernel``: the row (or up to 16 rows) in a 16-row tensor-core tile, wider BLOCK_N; faster for
   weights of 40 MB and more at one row, and for lm_head-sized weights (128 MB and more) at up to 16 rows.
-- ``_skinny_dot_conv_kernel``: the dot kernel with Mamba2's conv update as the epilogue: at decode the in projection
-  owns each conv channel's column, so it also shifts that channel's state and writes the conv output (one launch).
+  Its CONV epilogue is Mamba2's conv update: at decode the in projection owns each conv channel's column, so it also
+  shifts that channel's state and writes the conv output (one launch).
 - ``_gate``: HF's gated RMSNorm (Mamba2, one group) as a prologue of the gemv kernels (``gate=`` of
   ``linear_triton``): Mamba2's norm and out projection in one launch.
 
@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..library import interpreting, pdl
+from ..ssm.conv import conv_shift_append
 
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -119,30 +120,14 @@ def _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K: 
 
 
 @triton.jit
-def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
-                       PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    rm = tl.arange(0, 16)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K, EVEN_K, F32_DOT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
-def _skinny_dot_conv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, st_ptr, cw_ptr, cb_ptr, c_ptr, M, N, K, C0, C,
-                            stride_x, stride_w, stride_y, ss_b, ss_c, ss_w, scw_c, scw_k, sc_b,
-                            HAS_BIAS: tl.constexpr, CONV_BIAS: tl.constexpr, KW: tl.constexpr, W: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            F32_DOT: tl.constexpr, PDL: tl.constexpr):
-    """The skinny dot with Mamba's depthwise causal conv update as its epilogue (decode): the output columns
-    C0 .. C0 + C - 1 are conv channels. Each is owned by one program, which appends the column's value (rounded to
-    the output dtype, as HF's projection is) to that channel's state row [W] in place and writes
+def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                       st_ptr, cw_ptr, cb_ptr, c_ptr, C0, C, ss_b, ss_c, ss_w, scw_c, scw_k, sc_b,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       F32_DOT: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr = False,
+                       CONV_BIAS: tl.constexpr = False, KW: tl.constexpr = 1, W: tl.constexpr = 1):
+    """y = x @ w^T (+ bias) for up to 16 rows. CONV: Mamba's depthwise causal conv update as the epilogue (decode):
+    output columns C0 .. C0 + C - 1 are conv channels, each owned by one program, which appends the column's value
+    (rounded to y's dtype, as HF's projection is) to the channel's state row [W] in place and writes
     silu(conv + conv bias) to c [M, C]; y keeps every column as projected."""
     if PDL:
         gdc_wait()
@@ -155,26 +140,17 @@ def _skinny_dot_conv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, st_ptr, cw_ptr, cb_ptr, 
     out = acc.to(y_ptr.dtype.element_ty)
     m_ok = (rm < M)[:, None]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], out, mask=m_ok & (rn < N)[None, :])
-    ch = rn - C0
-    ok = m_ok & ((ch >= 0) & (ch < C) & (rn < N))[None, :]
-    conv = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    if CONV_BIAS:
-        conv += tl.load(cb_ptr + ch, mask=(ch >= 0) & (ch < C), other=0.0).to(tl.float32)[None, :]
-    st = st_ptr + rm.to(tl.int64)[:, None] * ss_b + ch[None, :] * ss_c
-    # shift the state row left by one and append the new value; the thread that reads column j+1 writes column j
-    for j in tl.static_range(W):
-        if j < W - 1:
-            v_raw = tl.load(st + (j + 1) * ss_w, mask=ok, other=0.0)
-            tl.store(st + j * ss_w, v_raw, mask=ok)
-            v = v_raw.to(tl.float32)
-        else:
-            tl.store(st + j * ss_w, out.to(st_ptr.dtype.element_ty), mask=ok)
-            v = out.to(tl.float32)
-        if j >= W - KW:
-            wk = tl.load(cw_ptr + ch * scw_c + (j - (W - KW)) * scw_k, mask=(ch >= 0) & (ch < C), other=0.0)
-            conv += wk.to(tl.float32)[None, :] * v
-    conv = conv / (1.0 + tl.exp(-conv))
-    tl.store(c_ptr + rm.to(tl.int64)[:, None] * sc_b + ch[None, :], conv.to(c_ptr.dtype.element_ty), mask=ok)
+    if CONV:
+        ch = rn - C0
+        ch_ok = (ch >= 0) & (ch < C) & (rn < N)
+        ok = m_ok & ch_ok[None, :]
+        conv = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        if CONV_BIAS:
+            conv += tl.load(cb_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)[None, :]
+        conv = conv_shift_append(st_ptr + rm.to(tl.int64)[:, None] * ss_b + ch[None, :] * ss_c, ss_w, ok,
+                                 out.to(tl.float32), cw_ptr + ch[None, :] * scw_c, scw_k, ch_ok[None, :], conv, KW, W)
+        conv = conv / (1.0 + tl.exp(-conv))
+        tl.store(c_ptr + rm.to(tl.int64)[:, None] * sc_b + ch[None, :], conv.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 #: configs measured on the H200 (bench/linear.py --sweep, 2026-11-30): the best for every one-row shape below
@@ -246,9 +222,9 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     assert gate is None, "the dot kernel has no gated prologue (the gemv kernels do)"
     bn = max(16, cfg["block_n"])
     _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
-                                                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
-                                                  EVEN_K=even_k, F32_DOT=interpreting() or w.dtype == torch.float32,
-                                                  **opts)
+                                                  *[x] * 4, *[0] * 8, HAS_BIAS=bias is not None, BLOCK_N=bn,
+                                                  BLOCK_K=cfg["block_k"], EVEN_K=even_k,
+                                                  F32_DOT=interpreting() or w.dtype == torch.float32, **opts)
     return ys
 
 
@@ -281,10 +257,10 @@ def linear_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if use_pdl:
         opts["launch_pdl"] = True
     bn = max(16, cfg["block_n"])
-    _skinny_dot_conv_kernel[(triton.cdiv(N, bn),)](
-        x, weight, bias if bias is not None else x, y, conv_state, conv_weight,
-        conv_bias if conv_bias is not None else conv_weight, out, M, N, K, c0, C, x.stride(0), weight.stride(0),
-        y.stride(0), *conv_state.stride(), *conv_weight.stride(), out.stride(0), HAS_BIAS=bias is not None,
-        CONV_BIAS=conv_bias is not None, KW=KW, W=W, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
-        EVEN_K=K % cfg["block_k"] == 0, F32_DOT=interpreting() or weight.dtype == torch.float32, **opts)
+    _skinny_dot_kernel[(triton.cdiv(N, bn),)](
+        x, weight, bias if bias is not None else x, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, out, c0, C, *conv_state.stride(),
+        *conv_weight.stride(), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
+        EVEN_K=K % cfg["block_k"] == 0, F32_DOT=interpreting() or weight.dtype == torch.float32, CONV=True,
+        CONV_BIAS=conv_bias is not None, KW=KW, W=W, **opts)
     return y, out

@@ -132,6 +132,25 @@ def causal_conv1d_triton(
 
 
 @triton.jit
+def conv_shift_append(st, ssw, ok, new, w, swk, w_ok, acc, K: tl.constexpr, W: tl.constexpr):
+    """One decode step of a depthwise causal conv on state rows of width W (any shape of pointers ``st`` to their
+    first columns): shift each row left by one in place, append ``new`` (fp32; stored in the state's dtype) and
+    return acc + the K-tap conv over the row's last K values (taps at ``w`` + j * swk). Column j+1 is read and
+    column j written through the same pointer element, i.e. by the same thread: the in-place shift has no race."""
+    for j in tl.static_range(W):
+        if j < W - 1:
+            v_raw = tl.load(st + (j + 1) * ssw, mask=ok, other=0.0)
+            tl.store(st + j * ssw, v_raw, mask=ok)
+            v = v_raw.to(tl.float32)
+        else:
+            tl.store(st + j * ssw, new.to(st.dtype.element_ty), mask=ok)
+            v = new
+        if j >= W - K:
+            acc += tl.load(w + (j - (W - K)) * swk, mask=w_ok, other=0.0).to(tl.float32) * v
+    return acc
+
+
+@triton.jit
 def _conv_update_kernel(
     x_ptr, st_ptr, w_ptr, b_ptr, idx_ptr, y_ptr,
     C,
@@ -153,20 +172,7 @@ def _conv_update_kernel(
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
-    s_base = st_ptr + slot * sss + offs_c * ssc
-    # shift left by one and append x. Column j+1 is read and column j written by the same thread (every
-    # vector here has the same layout over channels), so the in-place shift has no race.
-    for j in tl.static_range(W):
-        if j < W - 1:
-            v_raw = tl.load(s_base + (j + 1) * ssw, mask=m, other=0.0)
-            tl.store(s_base + j * ssw, v_raw, mask=m)
-            v = v_raw.to(tl.float32)
-        else:
-            tl.store(s_base + j * ssw, xv.to(st_ptr.dtype.element_ty), mask=m)
-            v = xv
-        if j >= W - K:
-            wk = tl.load(w_ptr + offs_c * swc + (j - (W - K)) * swk, mask=mc, other=0.0).to(tl.float32)
-            acc += wk * v
+    acc = conv_shift_append(st_ptr + slot * sss + offs_c * ssc, ssw, m, xv, w_ptr + offs_c * swc, swk, mc, acc, K, W)
     if SILU:
         acc = _silu(acc)
     acc = tl.where(valid, acc, 0.0)
