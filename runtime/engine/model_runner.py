@@ -82,7 +82,6 @@ class ModelRunner:
         self.graphs_enabled = compile == "hybrid-cudagraphs" and self.device.type == "cuda"
         #: (batch bucket, width) -> (static input, graph, (logits, greedy ids))
         self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, tuple]] = {}
-        self._graph_buffers: list[torch.Tensor] = []  # made outside a capture, written by the graphs
         self._pool = None
         # pinned host buffers for sampled ids, used in turn (a step and the one running ahead of it)
         self._host_ids: list[torch.Tensor | None] = [None, None, None]
@@ -318,12 +317,11 @@ class ModelRunner:
         static_in = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
         inputs = list(static_in.split(sizes))
         advance = inputs.pop()  # 1 on real rows, 0 on padding rows
-        counters = torch.zeros(batch, dtype=torch.int32, device=self.device)  # the one-kernel argmax's, kept at 0
 
         def body():  # ends by moving the inputs to the next step, should it run ahead (``_replay_decode``)
             logits = self._forward("decode", 1, width, batch, batch, inputs)
             pads = inputs[3] if self.cache.attention else None
-            return logits, greedy_ids(logits[:, -1], (inputs[0], inputs[1], pads, advance), counters)
+            return logits, greedy_ids(logits[:, -1], (inputs[0], inputs[1], pads, advance))
         # warm-up runs (compilation happens here) update SSM states in place: put them back afterwards
         saved = [(l.conv_buf[:batch].clone(), l.ssm_buf[:batch].clone()) for l in self.cache.states]
         side = torch.cuda.Stream()
@@ -342,7 +340,6 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = body()
         self._graphs[(batch, width)] = (static_in, graph, out)
-        self._graph_buffers.append(counters)  # the graph writes it: alive as long as the graph
         return static_in, graph, out
 
     def _width(self, kind: str, lengths: list[int]) -> int:

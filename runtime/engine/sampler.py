@@ -8,15 +8,14 @@ from ..ops.sampling import argmax_triton
 from .sequence import SamplingParams
 
 
-def greedy_ids(logits: torch.Tensor, advance: tuple | None = None,
-               counters: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_ids(logits: torch.Tensor, advance: tuple | None = None) -> torch.Tensor:
     """logits [B, V] -> argmax ids [B] (the first maximal index, as torch.argmax): on the GPU two short Triton
-    kernels, or one given zeroed int32 ``counters`` [>= B] (runtime/ops/sampling: torch's argmax reduces a row in one
-    thread block, 27 us for DeepSeek's 102400 logits on the H200), elsewhere torch.argmax. ``advance`` = (ids,
-    positions, pads or None, step): also move a recorded decode step's inputs to the next step (ids <- argmax,
-    positions += step, pads -= step), inside the argmax kernel that finishes each row on the GPU."""
+    kernels (runtime/ops/sampling: torch's argmax reduces a row in one thread block, 27 us for DeepSeek's
+    102400 logits on the H200), elsewhere torch.argmax. ``advance`` = (ids, positions, pads or None, step):
+    also move a recorded decode step's inputs to the next step (ids <- argmax, positions += step,
+    pads -= step), inside the argmax's second kernel on the GPU."""
     if use_triton(logits):
-        return argmax_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), advance, counters)
+        return argmax_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), advance)
     out = logits.argmax(-1)
     if advance is not None:
         ids, positions, pads, step = advance

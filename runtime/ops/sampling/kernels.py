@@ -3,8 +3,7 @@
 torch's argmax reduces one row in one thread block (27 us for DeepSeek's 102400 logits on the H200), and a
 max-per-chunk + argmax-of-chunks in torch costs four kernels (~11 us at B=1). Here: ``_argmax_chunks_kernel``
 gives each of B x NCH programs one chunk (about one block) of a row (its max and the first index holding it), then
-``_argmax_rows_kernel`` picks, per row, the first chunk holding the row's max (or, given a zeroed counter buffer,
-the row's last chunk program to finish does, in the same kernel). Result: torch.argmax's
+``_argmax_rows_kernel`` picks, per row, the first chunk holding the row's max. Result: torch.argmax's
 (first maximal index; NaN logits are not expected from a model and are not special-cased). No host sync,
 sizes from shapes only: CUDA-graph safe. Reference: ``torch.argmax(logits, -1)`` (tests/ops/test_sampling.py).
 """
@@ -20,9 +19,7 @@ MAX_CHUNKS, BLOCK = 128, 1024
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, cnt_ptr, out_ptr, ids_ptr, pos_ptr,
-                          pad_ptr, step_ptr, BLOCK: tl.constexpr, FUSED: tl.constexpr, NCH_P: tl.constexpr,
-                          ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -40,23 +37,18 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, cnt_
         best = tl.where(take, m, best)
     tl.store(val_ptr + b * NCH + c, best)
     tl.store(idx_ptr + b * NCH + c, best_i)
-    if FUSED:  # the row's last chunk program to finish (the counter orders the others' stores before it) ends it
-        if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == NCH - 1:
-            tl.store(cnt_ptr + b, 0)  # ready for the next call (a recorded graph replays with the same buffer)
-            _finish_row(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, b, NCH, NCH_P, ADVANCE,
-                        HAS_PADS)
 
 
 @triton.jit
-def _finish_row(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, b, NCH, NCH_P: tl.constexpr,
-                ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr):
-    """Row b's argmax from its chunks' (max, index) (read past L1: other programs wrote them), and the advance."""
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, NCH, NCH_P: tl.constexpr,
+                        ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, NCH_P)
     ok = offs < NCH
-    v = tl.load(val_ptr + b * NCH + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    v = tl.load(val_ptr + b * NCH + offs, mask=ok, other=float("-inf"))
     m = tl.max(v, 0)
     first = tl.min(tl.where(ok & (v == m), offs, NCH_P), 0)  # first chunk holding the max
-    i = tl.load(idx_ptr + b * NCH + first, cache_modifier=".cg").to(tl.int64)
+    i = tl.load(idx_ptr + b * NCH + first).to(tl.int64)
     tl.store(out_ptr + b, i)
     if ADVANCE:  # the next decode step's inputs (see argmax_triton)
         step = tl.load(step_ptr + b)
@@ -66,22 +58,13 @@ def _finish_row(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, 
             tl.store(pad_ptr + b, tl.load(pad_ptr + b) - step)
 
 
-@triton.jit
-def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, NCH, NCH_P: tl.constexpr,
-                        ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr):
-    _finish_row(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, tl.program_id(0).to(tl.int64), NCH,
-                NCH_P, ADVANCE, HAS_PADS)
-
-
-def argmax_triton(logits: torch.Tensor, advance: tuple | None = None,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, advance: tuple | None = None) -> torch.Tensor:
     """logits [B, V] (fp16 / bf16 / fp32: compared in fp32; the last dim contiguous) -> int64 [B]:
     torch.argmax(logits, -1).
 
     ``advance`` = (ids, positions, pads or None, step), int64 [B] each: also moves a decode step's inputs to the
     next step in the same kernel: ids <- the argmax, positions += step, pads -= step (step: 1 on real rows, 0 on
-    padding rows). ``counters``: int32 [>= B], all zero: one kernel instead of two (each row's last chunk program
-    finishes the row, and sets its counter back to zero: a recorded graph can keep one buffer)."""
+    padding rows)."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, f"logits must be [B, V] rows, got {tuple(logits.shape)}"
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -92,16 +75,12 @@ def argmax_triton(logits: torch.Tensor, advance: tuple | None = None,
     nch = triton.cdiv(V, chunk)
     vals = torch.empty(B, nch, dtype=torch.float32, device=logits.device)
     idx = torch.empty(B, nch, dtype=torch.int32, device=logits.device)
+    _argmax_chunks_kernel[(B, nch)](logits, vals, idx, V, logits.stride(0), chunk, nch, BLOCK=BLOCK, num_warps=4)
     ids, pos, pads, step = advance if advance is not None else (out, out, None, out)
     if advance is not None:
         assert all(t.dtype == torch.int64 and t.shape == (B,) and t.is_contiguous() for t in (ids, pos, step)) and (
             pads is None or (pads.dtype == torch.int64 and pads.shape == (B,))), "advance tensors must be int64 [B]"
-    assert counters is None or (counters.dtype == torch.int32 and counters.numel() >= B), "counters: int32 [>= B]"
-    row_args = (out, ids, pos, pads if pads is not None else out, step)
-    flags = dict(NCH_P=max(2, triton.next_power_of_2(nch)), ADVANCE=advance is not None, HAS_PADS=pads is not None)
-    _argmax_chunks_kernel[(B, nch)](logits, vals, idx, V, logits.stride(0), chunk, nch,
-                                    counters if counters is not None else idx, *row_args, BLOCK=BLOCK,
-                                    FUSED=counters is not None, **flags, num_warps=4)
-    if counters is None:
-        _argmax_rows_kernel[(B,)](vals, idx, *row_args, nch, **flags, num_warps=1)
+    _argmax_rows_kernel[(B,)](vals, idx, out, ids, pos, pads if pads is not None else out, step, nch,
+                              NCH_P=max(2, triton.next_power_of_2(nch)), ADVANCE=advance is not None,
+                              HAS_PADS=pads is not None, num_warps=1)
     return out
