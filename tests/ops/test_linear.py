@@ -154,28 +154,37 @@ def test_gated_norm_linear_op(monkeypatch):
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-def _conv_case(M, N, K, C, W, KW, seed, bias):
+def _conv_case(M, N, K, C, W, KW, seed, bias, conv_bias=None, layout="rows"):
+    """x, in_proj weight/bias, the state's backing pool and the state view, conv weight/bias. layout "rows": state
+    rows of a cache slot pool, strided along W too; "channels_last": [M, C, W] with the channels innermost."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(DEV)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
     b = torch.randn(N, generator=g).to(DEV) if bias else None
-    pool = torch.randn(M + 2, C, W, generator=g).to(DEV)  # the state rows are a strided view, as a cache slot is
-    state = pool[1:M + 1]
+    if layout == "rows":
+        pool = torch.randn(M + 2, C, W + 2, generator=g).to(DEV)
+        state = pool[1:M + 1, :, 1:W + 1]
+    else:
+        pool = torch.randn(M, W, C, generator=g).to(DEV)
+        state = pool.transpose(1, 2)
     cw = torch.randn(C, KW, generator=g).to(DEV)
-    cb = torch.randn(C, generator=g).to(DEV) if bias else None
+    cb = torch.randn(C, generator=g).to(DEV) if (bias if conv_bias is None else conv_bias) else None
     return x, w, b, pool, state, cw, cb
 
 
-@pytest.mark.parametrize("M,N,K,C,c0,W,KW,bias", [(1, 70, 130, 40, 9, 4, 4, True), (3, 64, 96, 33, 16, 5, 4, False),
-                                                  (16, 50, 64, 50, 0, 4, 3, True)])
-def test_dot_conv_epilogue_matches_linear_then_conv(M, N, K, C, c0, W, KW, bias):
+@pytest.mark.parametrize("M,N,K,C,c0,W,KW,bias,conv_bias,layout", [
+    (1, 70, 130, 40, 9, 4, 4, True, True, "rows"), (3, 64, 96, 33, 16, 5, 4, False, True, "channels_last"),
+    (16, 50, 64, 50, 0, 4, 3, True, False, "rows"), (2, 48, 64, 31, 17, 4, 4, False, False, "channels_last")])
+def test_dot_conv_epilogue_matches_linear_then_conv(M, N, K, C, c0, W, KW, bias, conv_bias, layout):
     """The projection + conv-update kernel vs F.linear then the conv update's reference: projection, conv output and
-    the state rows (shifted in place; the rows around them untouched). Conv channels straddle program tiles."""
+    the state (shifted in place through a strided view; the pool around it untouched). Conv channels straddle
+    program tiles."""
     from runtime.ops.ssm.reference import causal_conv1d_update_ref
-    x, w, b, pool, state, cw, cb = _conv_case(M, N, K, C, W, KW, M * N + C, bias)
+    x, w, b, pool, state, cw, cb = _conv_case(M, N, K, C, W, KW, M * N + C, bias, conv_bias, layout)
     want_pool = pool.clone()
+    want_state = want_pool[1:M + 1, :, 1:W + 1] if layout == "rows" else want_pool.transpose(1, 2)
     want_y = F.linear(x, w, b)
-    want_c = causal_conv1d_update_ref(want_y[:, c0:c0 + C], want_pool[1:M + 1], cw, cb, "silu", None)
+    want_c = causal_conv1d_update_ref(want_y[:, c0:c0 + C], want_state, cw, cb, "silu", None)
     y, c = kernels.linear_conv_triton(x, w, b, state, cw, cb, c0, config=dict(kernels.DOT_MID, block_n=16,
                                                                                 block_k=64))
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
@@ -190,7 +199,7 @@ def test_linear_conv_op(monkeypatch):
     from runtime.ops.linear import ops
     from runtime.ops.ssm.reference import causal_conv1d_update_ref
     x, w, b, pool, state, cw, cb = (t.to(torch.bfloat16) for t in _conv_case(1, 70, 130, 40, 4, 4, 5, True))
-    state = pool[1:2]
+    state = pool[1:2, :, 1:5]
     if DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     fused = []
@@ -200,7 +209,8 @@ def test_linear_conv_op(monkeypatch):
         monkeypatch.setattr(ops, "conv_config", lambda M, N, K: dict(kernels.DOT_MID, block_k=64) if take else None)
         want_pool = pool.float()
         want_y = F.linear(x.float(), w.float(), b.float())
-        want_c = causal_conv1d_update_ref(want_y[:, 9:49], want_pool[1:2], cw.float(), cb.float(), "silu", None)
+        want_c = causal_conv1d_update_ref(want_y[:, 9:49], want_pool[1:2, :, 1:5], cw.float(), cb.float(), "silu",
+                                          None)
         y, c = torch.ops.hybrid.linear_conv(x.view(1, 1, -1), w, b, state, cw, cb, 9)
         assert len(fused) == 1 and y.shape == (1, 1, 70) and c.shape == (1, 40) and c.dtype == torch.bfloat16
         for got, want in ((y.view(1, -1), want_y), (c, want_c), (pool, want_pool)):

@@ -42,7 +42,8 @@ MAX_GROUP = 3
 def _gate(x, z_ptrs, g_ptrs, ok):
     """Gated RMSNorm as a prologue (HF MambaRMSNormGated, one group): h = x * silu(z) feeds the dot as h * g,
     and the caller sums h^2 over the row as it goes and scales the row's result by rsqrt(mean(h^2) + eps) at the end,
-    so the norm costs no pass of its own. One rounding (h * g to the weight dtype) where HF rounds twice."""
+    so the norm costs no pass of its own. h * g stays fp32 (HF rounds the normalised h and its product with g to
+    the input dtype before the projection): the same function, more precise."""
     z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
     h = x * (z / (1.0 + tl.exp(-z)))
     g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)

@@ -101,7 +101,11 @@ def linear_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_state: T
     C = conv_weight.shape[0]
     rows = _triton_rows(x, [weight], bias)
     cfg = None if rows is None else conv_config(rows.shape[0], weight.shape[0], rows.shape[1])
-    if cfg is not None and conv_state.shape[0] == rows.shape[0] and conv_weight.dim() == 2:
+    fits = (conv_weight.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[:2] == (x.numel() // x.shape[-1], C)
+            and conv_weight.shape[1] <= conv_state.shape[2] and 0 <= c0 and c0 + C <= weight.shape[0]
+            and conv_state.device == x.device and conv_weight.device == x.device
+            and (conv_bias is None or (conv_bias.shape == (C,) and conv_bias.stride(0) == 1)))
+    if cfg is not None and fits:
         y, c = linear_conv_triton(rows, weight, bias, conv_state, conv_weight, conv_bias, c0, config=cfg)
         return y.view(*x.shape[:-1], -1), c
     from ..ssm import ops as _ssm  # noqa: F401  (registers hybrid::causal_conv1d_update)

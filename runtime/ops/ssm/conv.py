@@ -135,11 +135,14 @@ def causal_conv1d_triton(
 def conv_shift_append(st, ssw, ok, new, w, swk, w_ok, acc, K: tl.constexpr, W: tl.constexpr):
     """One decode step of a depthwise causal conv on state rows of width W (any shape of pointers ``st`` to their
     first columns): shift each row left by one in place, append ``new`` (fp32; stored in the state's dtype) and
-    return acc + the K-tap conv over the row's last K values (taps at ``w`` + j * swk). Column j+1 is read and
-    column j written through the same pointer element, i.e. by the same thread: the in-place shift has no race."""
+    return acc + the K-tap conv over the row's last K values (taps at ``w`` + j * swk).
+    The compiler may give a column's load and its store different thread layouts (it does for 2-D tiles), so a CTA
+    barrier separates each load of column j+1 from the store into column j: every thread has read column j+1
+    before any thread overwrites it one step later."""
     for j in tl.static_range(W):
         if j < W - 1:
             v_raw = tl.load(st + (j + 1) * ssw, mask=ok, other=0.0)
+            tl.debug_barrier()
             tl.store(st + j * ssw, v_raw, mask=ok)
             v = v_raw.to(tl.float32)
         else:
