@@ -212,6 +212,30 @@ def test_mamba2_decode_step_fused_projections(monkeypatch):
     close(got_states[1], want_states[1], 2e-2)
 
 
+@pytest.mark.parametrize("t1,t2", [(5, 7), (13, 3), (1, 9)])
+@pytest.mark.parametrize("triton_path", [False, True], ids=["reference", "triton"])
+def test_mamba2_chunk_continues_the_prefill(t1, t2, triton_path, monkeypatch):
+    """hybrid::mamba2_mixer_chunk, independent of HF's cache behaviour: a prompt prefilled as t1 tokens
+    (hybrid::mamba2_mixer, fresh states) then t2 tokens continuing from those states equals one prefill of all
+    t1 + t2 tokens: outputs and both final states. Chunk size 4, so the chunks straddle SSD chunk boundaries."""
+    if triton_path and DEV == "cpu":
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    g = torch.Generator().manual_seed(t1 * 31 + t2)
+    B, Hd, H, P, G, N, K = 2, 24, 3, 8, 1, 8, 4
+    d_inner, C = H * P, H * P + 2 * G * N
+    w = dict(in_proj_w=rnd(d_inner + C + H, Hd, g=g) / Hd ** 0.5, in_proj_b=None, conv_w=rnd(C, 1, K, g=g),
+             conv_b=rnd(C, g=g), dt_bias=rnd(H, g=g), A_log=torch.rand(H, generator=g).to(DEV), D=rnd(H, g=g),
+             norm_w=1 + 0.1 * rnd(d_inner, g=g), out_proj_w=rnd(Hd, d_inner, g=g) / d_inner ** 0.5, out_proj_b=None)
+    rest = (P, G, 4, 1e-5, d_inner, 0.0, float("inf"))
+    x = rnd(B, t1 + t2, Hd, g=g)
+    out, conv, ssm = torch.ops.hybrid.mamba2_mixer(x, None, *w.values(), *rest, K)
+    out1, conv1, ssm1 = torch.ops.hybrid.mamba2_mixer(x[:, :t1], None, *w.values(), *rest, K)
+    out2 = torch.ops.hybrid.mamba2_mixer_chunk(x[:, t1:], None, *w.values(), *rest, conv1, ssm1)
+    close(torch.cat([out1, out2], 1), out, 1e-4)
+    close(conv1, conv, 1e-5)
+    close(ssm1, ssm, 1e-4)
+
+
 def _ptxas_available() -> bool:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
