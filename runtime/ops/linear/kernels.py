@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..library import interpreting, pdl
-from ..ssm.conv import conv_shift_append
+from ..ssm.conv import conv_shift_append, silu
 
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -45,7 +45,7 @@ def _gate(x, z_ptrs, g_ptrs, ok):
     so the norm costs no pass of its own. h * g stays fp32 (HF rounds the normalised h and its product with g to
     the input dtype before the projection): the same function, more precise."""
     z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
-    h = x * (z / (1.0 + tl.exp(-z)))
+    h = x * silu(z)
     g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
     return h * g, h * h
 
@@ -150,7 +150,7 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
             conv += tl.load(cb_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)[None, :]
         conv = conv_shift_append(st_ptr + rm.to(tl.int64)[:, None] * ss_b + ch[None, :] * ss_c, ss_w, ok,
                                  out.to(tl.float32), cw_ptr + ch[None, :] * scw_c, scw_k, ch_ok[None, :], conv, KW, W)
-        conv = conv / (1.0 + tl.exp(-conv))
+        conv = silu(conv)
         tl.store(c_ptr + rm.to(tl.int64)[:, None] * sc_b + ch[None, :], conv.to(c_ptr.dtype.element_ty), mask=ok)
 
 
@@ -184,6 +184,13 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False) -> dict | No
     return DOT_BIG if nbytes >= 128 << 20 else DOT_MID if nbytes >= 40 << 20 else GEMV
 
 
+def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
+    """Warps, stages and programmatic dependent launch (``library.pdl``) for a launch of config ``cfg``."""
+    use_pdl = pdl() and x.is_cuda
+    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
+    return {**opts, "launch_pdl": True} if use_pdl else opts
+
+
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
                   config: dict | None = None, gate: tuple | None = None) -> list[torch.Tensor]:
     """x [M, K] (rows contiguous), weights [N_i, K] (rows contiguous; 1-3 of them, gemv: M == 1; bias only with one
@@ -206,17 +213,15 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     b = bias if bias is not None else x  # a valid pointer, never read
     z, g, eps = gate if gate is not None else (x, x, 0.0)
     even_k = K % cfg["block_k"] == 0
-    use_pdl = pdl() and x.is_cuda
-    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
-    if use_pdl:
-        opts["launch_pdl"] = True
+    opts = _launch_opts(cfg, x)
     if cfg["kind"] == "gemv":
         assert M == 1, "the gemv kernel takes one row"
         bn = cfg["block_n"]
         w3, y3, n3 = (weights + [weights[0]] * 2)[:3], (ys + [ys[0]] * 2)[:3], (Ns + [0, 0])[:3]
         grid = (sum(triton.cdiv(n, bn) for n in Ns),)
-        _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3), NUM_W=len(weights),
-                           HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
+        _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3),
+                           NUM_W=len(weights), HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn,
+                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
         return ys
     assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]
@@ -253,10 +258,7 @@ def linear_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(M, C, dtype=weight.dtype, device=x.device)
     if M == 0:
         return y, out
-    use_pdl = pdl() and x.is_cuda
-    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
-    if use_pdl:
-        opts["launch_pdl"] = True
+    opts = _launch_opts(cfg, x)
     bn = max(16, cfg["block_n"])
     _skinny_dot_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if bias is not None else x, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),

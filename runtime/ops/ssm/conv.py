@@ -14,7 +14,7 @@ from .kernels import CONFIG, next_pow2
 
 
 @triton.jit
-def _silu(x):
+def silu(x):
     return x / (1.0 + tl.exp(-x))
 
 
@@ -66,7 +66,7 @@ def _conv_fwd_kernel(
                 v = tl.load(i_b + si[None, :] * siw, mask=mc[:, None] & mi[None, :], other=0.0)
                 acc += wk[:, None] * v.to(tl.float32)
     if SILU:
-        acc = _silu(acc)
+        acc = silu(acc)
     y_ptrs = y_ptr + pid_b * syb + offs_c[:, None] * syc + offs_t[None, :] * syt
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mc[:, None] & mt[None, :])
 
@@ -177,7 +177,7 @@ def _conv_update_kernel(
         acc += tl.load(b_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
     acc = conv_shift_append(st_ptr + slot * sss + offs_c * ssc, ssw, m, xv, w_ptr + offs_c * swc, swk, mc, acc, K, W)
     if SILU:
-        acc = _silu(acc)
+        acc = silu(acc)
     acc = tl.where(valid, acc, 0.0)
     tl.store(y_ptr + row * syb + offs_c * syc, acc.to(y_ptr.dtype.element_ty), mask=mc)
 

@@ -16,17 +16,13 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .conv import silu
 from .kernels import CONFIG, next_pow2
 
 
 @triton.jit
 def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-
-
-@triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -95,7 +91,7 @@ def _selective_scan_kernel(
             y += dskip[:, None] * u
         if HAS_Z:
             zz = tl.load(z_base + offs_t[None, :] * szt, mask=mdt, other=0.0).to(tl.float32)
-            y = y * _silu(zz)
+            y = y * silu(zz)
         tl.store(y_base + offs_t[None, :] * syt, y.to(y_ptr.dtype.element_ty), mask=mdt)
     hT_ptrs = hT_ptr + b * DIM * N + offs_d[:, None] * N + offs_n[None, :]
     tl.store(hT_ptrs, h, mask=mdn)
@@ -179,7 +175,7 @@ def _selective_state_update_kernel(
     if HAS_D:
         y += tl.load(D_ptr + offs_d, mask=md, other=0.0).to(tl.float32) * x
     if HAS_Z:
-        y = y * _silu(tl.load(z_ptr + row * szb + offs_d * szd, mask=md, other=0.0).to(tl.float32))
+        y = y * silu(tl.load(z_ptr + row * szb + offs_d * szd, mask=md, other=0.0).to(tl.float32))
     y = tl.where(valid_d, y, 0.0)
     tl.store(y_ptr + row * syb + offs_d * syd, y.to(y_ptr.dtype.element_ty), mask=md)
 

@@ -23,17 +23,13 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .conv import silu
 from .kernels import CONFIG, next_pow2
 
 
 @triton.jit
 def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-
-
-@triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -227,7 +223,7 @@ def _ssd_chunk_scan_kernel(
     if HAS_Z:
         zm = tl.load(z_ptr + b * szb + h * szh + tm[:, None] * szt + offs_p[None, :] * szp, mask=mmp,
                      other=0.0).to(tl.float32)
-        acc = acc * _silu(zm)
+        acc = acc * silu(zm)
     y_ptrs = y_ptr + b * syb + h * syh + tm[:, None] * syt + offs_p[None, :] * syp
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmp)
 
@@ -380,7 +376,7 @@ def _ssd_state_update_kernel(
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x
     if HAS_Z:
-        y = y * _silu(tl.load(z_ptr + row * szb + h * szh + offs_p * szp, mask=mp, other=0.0).to(tl.float32))
+        y = y * silu(tl.load(z_ptr + row * szb + h * szh + offs_p * szp, mask=mp, other=0.0).to(tl.float32))
     y = tl.where(valid_p, y, 0.0)
     tl.store(y_ptr + row * syb + h * syh + offs_p * syp, y.to(y_ptr.dtype.element_ty), mask=mp)
 
