@@ -4,6 +4,7 @@
     python bench/linear.py --sweep                                # also sweep launch configs (M = 1 and 8)
     python bench/linear.py --smoke                                # CPU, interpreter, two tiny shapes
     python bench/linear.py --gated --rows 1,2,8,16 [--sweep]      # Mamba2's gated norm + out_proj, fused vs not
+    python bench/linear.py --conv                                 # Mamba2's in_proj + conv update, fused vs not
 
 Shapes: every distinct nn.Linear (out, in) of the zoo's deepseek-v2-lite-shape, mamba2-2.7b-shape and
 mixtral-8x7b-shape models (read from a meta-device build), at M decode rows; and the groups of linears that share
@@ -236,6 +237,58 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def conv_row(N: int, K: int, C: int, c0: int, dev, dtype) -> dict:
+    """Mamba2's decode in projection with the conv update as its epilogue (``linear_conv_triton``), against the
+    projection alone (same kernel and config: the epilogue's cost) and the projection then the conv-update kernel.
+    Each call has its own weight copy and conv state (cold, as in a decode step)."""
+    from runtime.ops.linear.kernels import conv_config, linear_conv_triton
+    from runtime.ops.ssm.conv import causal_conv1d_update_triton
+    wbytes = N * K * 2
+    copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
+    g = torch.Generator(device=dev).manual_seed(N + K)
+    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    states = [torch.randn(1, C, 4, device=dev, dtype=dtype, generator=g) for _ in range(copies)]
+    x = torch.randn(1, K, device=dev, dtype=dtype, generator=g)
+    cw, cb = torch.randn(C, 4, device=dev, dtype=dtype, generator=g), torch.randn(C, device=dev, dtype=dtype, generator=g)
+    cfg = conv_config(1, N, K) if dev == "cuda" else dict(kind="dot", block_n=16, block_k=64, warps=4, stages=3)
+    st0 = states[0].clone()
+    y, c = linear_conv_triton(x, ws[0], None, states[0], cw, cb, c0, config=cfg)
+    want_st = st0.clone()
+    want_y = torch.nn.functional.linear(x.float(), ws[0].float()).to(dtype)
+    want_c = causal_conv1d_update_triton(want_y[:, c0:c0 + C], want_st, cw, cb, "silu", None)
+    states[0].copy_(st0)
+    r = dict(model="mamba2 in_proj + conv update", layer=f"{N}x{K}, conv {C}", M=1, N=(N,), K=K,
+             weight_mb=wbytes / 2**20, picked=cfg,
+             rel_err=max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                         for a, b in ((y, want_y), (c, want_c))))
+    if dev != "cuda":
+        return r
+    R = max(8, copies)
+    r["alone_us"] = per_call_us([lambda i=i: linear_triton(x, [ws[i % copies]], config=cfg) for i in range(R)])
+    r["two_us"] = per_call_us([lambda i=i: causal_conv1d_update_triton(
+        linear_triton(x, [ws[i % copies]], config=cfg)[0][:, c0:c0 + C], states[i % copies], cw, cb, "silu", None)
+        for i in range(R)])
+    r["ours_us"] = per_call_us([lambda i=i: linear_conv_triton(x, ws[i % copies], None, states[i % copies], cw, cb, c0,
+                                                               config=cfg) for i in range(R)])
+    nbytes = wbytes + K * 2 + N * 2
+    for k in ("alone_us", "two_us", "ours_us"):
+        r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    tag(f"in_proj + conv N={N} K={K}: projection alone {r['alone_us']:.2f} us, projection then conv kernel "
+        f"{r['two_us']:.2f} us, fused {r['ours_us']:.2f} us")
+    return r
+
+
+def conv_table(rows: list[dict]) -> str:
+    lines = ["| N x K | conv channels | projection alone us | projection, then conv kernel us | fused us | "
+             "fused - alone us | rel err |", "|" + "---|" * 7]
+    for r in rows:
+        f, err, _ = _cells(r)
+        extra = f"{r['ours_us'] - r['alone_us']:.2f}" if "ours_us" in r else "-"
+        lines.append(f"| {r['N'][0]} x {r['K']} | {r['layer'].split('conv ')[1]} | {f('alone_us')} | {f('two_us')} | "
+                     f"{f('ours_us')} | {extra} | {err} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -244,9 +297,15 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, two small shapes")
     ap.add_argument("--gated", action="store_true", help="Mamba2's gated norm + out_proj, fused vs not")
+    ap.add_argument("--conv", action="store_true", help="Mamba2's in_proj with its conv-update epilogue vs without")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.conv:  # mamba2-2.7b: in_proj [2 * 5120 + 2 * 128 + 80, 2560], conv channels 5120 + 2 * 128 from 5120
+        rows = [conv_row(10576, 2560, 5376, 5120, dev, dtype) if cuda else conv_row(70, 48, 40, 9, dev, dtype)]
+        write(args.out, "linear_conv", rows, conv_table(rows))
+        print(conv_table(rows))
+        return 0
     if args.gated:
         N, K = (2560, 5120) if cuda else (40, 130)  # mamba2-2.7b: out_proj [hidden, d_inner]
         rows = [gated_row(N, K, int(m), args, dev, dtype) for m in args.rows.split(",")]

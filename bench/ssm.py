@@ -671,12 +671,52 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def bench_update_sweep(bx: Bench) -> None:
+    """The Mamba2 decode state update's tile (``CONFIG["ssd_update"]``: TILE elements, num_warps) at B = 1 and 8,
+    Mamba2-2.7B shape, fp32 state; inputs rotated past L2 in one CUDA graph, as in the decode section."""
+    import torch
+
+    import runtime.ops.ssm  # noqa: F401
+    from runtime.ops.ssm.kernels import CONFIG
+
+    dev, dt_ = bx.device, bx.dtype
+    H, P, N, G = (4, 16, 16, 1) if bx.smoke else (80, 64, 128, 1)
+    keep = dict(CONFIG["ssd_update"])
+    for B in [1, 8]:
+        g = torch.Generator(device=dev).manual_seed(B)
+        nbytes = 2 * B * H * P * N * 4 + B * (2 * H * P + 2 * G * N + H) * 2
+        n_rot = 1 if bx.smoke else max(1, min(64, math.ceil(256e6 / nbytes)))
+        state = torch.randn(n_rot * B, H, P, N, device=dev, generator=g)
+        x, dt = torch.randn(n_rot, B, H, P, device=dev, generator=g).to(dt_), torch.randn(n_rot, B, H, device=dev,
+                                                                                          generator=g).to(dt_)
+        Bm, Cm = (torch.randn(n_rot, B, G, N, device=dev, generator=g).to(dt_) for _ in range(2))
+        A_log, D, dtb = (torch.rand(H, device=dev, generator=g) for _ in range(3))
+        idx = torch.arange(n_rot * B, device=dev, dtype=torch.int32).view(n_rot, B)
+        for tile in ([256, 1024] if bx.smoke else [512, 1024, 2048, 4096, 8192]):
+            for warps in ([4] if bx.smoke else [1, 2, 4, 8]):
+                CONFIG["ssd_update"].update(TILE=tile, num_warps=warps)
+
+                def calls():
+                    return [torch.ops.hybrid.ssd_state_update(state, x[k], dt[k], A_log, Bm[k], Cm[k], D, None, dtb,
+                                                              True, 0.0, float("inf"), idx[k], True)
+                            for k in range(n_rot)]
+
+                def measure():
+                    us = bx.graph_ms(calls, n_rot) * 1e3
+                    return {"us": round(us, 2), "pct_peak": round(100 * nbytes / (us * 1e-6) / PEAK_BW, 1)}
+
+                bx.run({"section": "update_sweep", "B": B, "TILE": tile, "num_warps": warps}, measure)
+        CONFIG["ssd_update"].update(keep)
+        del state
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, seconds (CPU interpreter without a GPU)")
     ap.add_argument("--compile-check", action="store_true", help="compile all kernels for sm_90, no GPU needed")
     ap.add_argument("--full", action="store_true", help="no caps on the slow HF baselines")
-    ap.add_argument("--sections", default="ssd,mamba1,decode,conv", help="comma-separated subset")
+    ap.add_argument("--sections", default="ssd,mamba1,decode,conv",
+                    help="comma-separated subset; also update_sweep (the decode state update's tile)")
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="compile time allowed per compiled-baseline family is half of this; none after 2x")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -716,7 +756,8 @@ def main() -> None:
         f"gpu={torch.cuda.get_device_name() if device == 'cuda' else '-'} smoke={args.smoke}")
     log(f"CONFIG={json.dumps(CONFIG)}")
     bx = Bench(args.smoke, device, args.full, args.budget_s)
-    sections = {"ssd": bench_ssd, "mamba1": bench_mamba1, "decode": bench_decode, "conv": bench_conv_norm}
+    sections = {"ssd": bench_ssd, "mamba1": bench_mamba1, "decode": bench_decode, "conv": bench_conv_norm,
+                "update_sweep": bench_update_sweep}
     for name in args.sections.split(","):
         log(f"== section {name}")
         try:

@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..library import interpreting, pdl
-from ..ssm.conv import conv_shift_append, silu
+from ..ssm.conv import conv_step_load, conv_step_store, silu
 
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -125,33 +125,40 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
                        st_ptr, cw_ptr, cb_ptr, c_ptr, C0, C, ss_b, ss_c, ss_w, scw_c, scw_k, sc_b,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        F32_DOT: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr = False,
-                       CONV_BIAS: tl.constexpr = False, KW: tl.constexpr = 1, W: tl.constexpr = 1):
+                       CONV_BIAS: tl.constexpr = False, KW: tl.constexpr = 1, W: tl.constexpr = 1,
+                       WP: tl.constexpr = 1, CONV_ROWS: tl.constexpr = 16):
     """y = x @ w^T (+ bias) for up to 16 rows. CONV: Mamba's depthwise causal conv update as the epilogue (decode):
     output columns C0 .. C0 + C - 1 are conv channels, each owned by one program, which appends the column's value
     (rounded to y's dtype, as HF's projection is) to the channel's state row [W] in place and writes
-    silu(conv + conv bias) to c [M, C]; y keeps every column as projected."""
+    silu(conv + conv bias) to c [M, C]; y keeps every column as projected. The conv's loads (state, taps, bias) are
+    issued before the main loop, so its only cost at the end is the arithmetic and the stores."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     rm = tl.arange(0, 16)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = (rm < M)[:, None]
+    if CONV:  # the conv's loads go out before the main loop: the epilogue then only computes and stores
+        ch = rn - C0
+        ch_ok = (ch >= 0) & (ch < C) & (rn < N)
+        rc = tl.arange(0, CONV_ROWS)  # one row (decode at batch 1): [1, BLOCK_N] tiles, not 16 rows of registers
+        ok = (rc < M)[:, None] & ch_ok[None, :]
+        st = st_ptr + rc.to(tl.int64)[:, None] * ss_b + ch[None, :] * ss_c
+        shifted, taps = conv_step_load(st, ss_w, ok, cw_ptr + ch[None, :] * scw_c, scw_k, ch_ok[None, :], KW, W, WP)
+        conv = tl.zeros([CONV_ROWS, BLOCK_N], dtype=tl.float32)
+        if CONV_BIAS:
+            conv += tl.load(cb_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)[None, :]
     acc = _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K, EVEN_K, F32_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)
-    m_ok = (rm < M)[:, None]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], out, mask=m_ok & (rn < N)[None, :])
     if CONV:
-        ch = rn - C0
-        ch_ok = (ch >= 0) & (ch < C) & (rn < N)
-        ok = m_ok & ch_ok[None, :]
-        conv = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        if CONV_BIAS:
-            conv += tl.load(cb_ptr + ch, mask=ch_ok, other=0.0).to(tl.float32)[None, :]
-        conv = conv_shift_append(st_ptr + rm.to(tl.int64)[:, None] * ss_b + ch[None, :] * ss_c, ss_w, ok,
-                                 out.to(tl.float32), cw_ptr + ch[None, :] * scw_c, scw_k, ch_ok[None, :], conv, KW, W)
-        conv = silu(conv)
-        tl.store(c_ptr + rm.to(tl.int64)[:, None] * sc_b + ch[None, :], conv.to(c_ptr.dtype.element_ty), mask=ok)
+        new = out.to(tl.float32)
+        if CONV_ROWS == 1:
+            new = tl.sum(tl.where(rm[:, None] == 0, new, 0.0), axis=0, keep_dims=True)
+        conv = silu(conv_step_store(st, ss_w, ok, shifted, taps, new, conv, W, WP))
+        tl.store(c_ptr + rc.to(tl.int64)[:, None] * sc_b + ch[None, :], conv.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 #: configs measured on the H200 (bench/linear.py --sweep, 2026-11-30): the best for every one-row shape below
@@ -265,5 +272,6 @@ def linear_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, out, c0, C, *conv_state.stride(),
         *conv_weight.stride(), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=cfg["block_k"],
         EVEN_K=K % cfg["block_k"] == 0, F32_DOT=interpreting() or weight.dtype == torch.float32, CONV=True,
-        CONV_BIAS=conv_bias is not None, KW=KW, W=W, **opts)
+        CONV_BIAS=conv_bias is not None, KW=KW, W=W, WP=triton.next_power_of_2(W),
+        CONV_ROWS=1 if M == 1 else 16, **opts)
     return y, out

@@ -132,25 +132,30 @@ def causal_conv1d_triton(
 
 
 @triton.jit
-def conv_shift_append(st, ssw, ok, new, w, swk, w_ok, acc, K: tl.constexpr, W: tl.constexpr):
-    """One decode step of a depthwise causal conv on state rows of width W (any shape of pointers ``st`` to their
-    first columns): shift each row left by one in place, append ``new`` (fp32; stored in the state's dtype) and
-    return acc + the K-tap conv over the row's last K values (taps at ``w`` + j * swk).
-    The compiler may give a column's load and its store different thread layouts (it does for 2-D tiles), so a CTA
-    barrier separates each load of column j+1 from the store into column j: every thread has read column j+1
-    before any thread overwrites it one step later."""
-    for j in tl.static_range(W):
-        if j < W - 1:
-            v_raw = tl.load(st + (j + 1) * ssw, mask=ok, other=0.0)
-            tl.debug_barrier()
-            tl.store(st + j * ssw, v_raw, mask=ok)
-            v = v_raw.to(tl.float32)
-        else:
-            tl.store(st + j * ssw, new.to(st.dtype.element_ty), mask=ok)
-            v = new
-        if j >= W - K:
-            acc += tl.load(w + (j - (W - K)) * swk, mask=w_ok, other=0.0).to(tl.float32) * v
-    return acc
+def conv_step_load(st, ssw, ok, w, swk, w_ok, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The loads of one decode step of a depthwise causal conv over state rows of width W (``st``: pointers of any
+    shape to the rows' first columns, taps at ``w`` + j * swk), to be issued early (before a kernel's main loop):
+    -> (the rows shifted left by one column, in the state's dtype; the taps aligned to the row's columns, fp32),
+    each with a last dim of WP = next_pow2(W). ``conv_step_store`` finishes the step."""
+    col = tl.arange(0, WP)
+    st_c = tl.expand_dims(st, -1) + (col + 1) * ssw
+    shifted = tl.load(st_c, mask=tl.expand_dims(ok, -1) & (col + 1 < W), other=0.0)
+    w_c = tl.expand_dims(w, -1) + (col - (W - K)) * swk
+    taps = tl.load(w_c, mask=tl.expand_dims(w_ok, -1) & (col >= W - K) & (col < W), other=0.0)
+    return shifted, taps.to(tl.float32)
+
+
+@triton.jit
+def conv_step_store(st, ssw, ok, shifted, taps, new, acc, W: tl.constexpr, WP: tl.constexpr):
+    """The rest of the step ``conv_step_load`` began: append ``new`` (fp32; stored in the state's dtype) to the
+    shifted rows, write them back in place and return acc + the conv over the rows' last K values. A CTA barrier
+    comes first: the compiler may give the loads and the stores different thread layouts, so every thread must have
+    read the old row before any thread overwrites it."""
+    col = tl.arange(0, WP)
+    rows = tl.where(col == W - 1, tl.expand_dims(new, -1).to(shifted.dtype), shifted)
+    tl.debug_barrier()
+    tl.store(tl.expand_dims(st, -1) + col * ssw, rows, mask=tl.expand_dims(ok, -1) & (col < W))
+    return acc + tl.sum(rows.to(tl.float32) * taps, axis=-1)
 
 
 @triton.jit
@@ -158,8 +163,8 @@ def _conv_update_kernel(
     x_ptr, st_ptr, w_ptr, b_ptr, idx_ptr, y_ptr,
     C,
     sxb, sxc, sss, ssc, ssw, swc, swk, syb, syc,
-    K: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     row = tl.program_id(1)
@@ -175,7 +180,9 @@ def _conv_update_kernel(
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
-    acc = conv_shift_append(st_ptr + slot * sss + offs_c * ssc, ssw, m, xv, w_ptr + offs_c * swc, swk, mc, acc, K, W)
+    st = st_ptr + slot * sss + offs_c * ssc
+    shifted, taps = conv_step_load(st, ssw, m, w_ptr + offs_c * swc, swk, mc, K, W, WP)
+    acc = conv_step_store(st, ssw, m, shifted, taps, xv, acc, W, WP)
     if SILU:
         acc = silu(acc)
     acc = tl.where(valid, acc, 0.0)
@@ -205,7 +212,7 @@ def causal_conv1d_update_triton(
         chans,
         x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        K=k, W=w, HAS_BIAS=bias is not None, HAS_IDX=state_indices is not None,
+        K=k, W=w, WP=next_pow2(w), HAS_BIAS=bias is not None, HAS_IDX=state_indices is not None,
         SILU=_silu_flag(activation), BLOCK_C=bc, num_warps=cfg["num_warps"],
     )
     return y
