@@ -4,13 +4,14 @@ from .complex import LowerComplex
 from .linear import DecodeLinear
 from .mla import FuseMLA
 from .moe import FuseMoE
+from .norm import FuseNorm
 from .ssm import FuseSSM
 
 #: The one ordered list of passes. Regions of different kinds never overlap, so the order only fixes
 #: the order of the explain report and of graph edits; the whole-graph passes (complex arithmetic lowered to
-#: real, the linears left over routed through hybrid::linear) come last, so the region passes see the graph as
-#: HF's code traced it.
-PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex(), DecodeLinear()]
+#: real, the linears left over routed through hybrid::linear, then the RMSNorms before them fused into those linears)
+#: come last, so the region passes see the graph as HF's code traced it.
+PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex(), DecodeLinear(), FuseNorm()]
 PASS_NAMES = [p.name for p in PIPELINE]
 
 

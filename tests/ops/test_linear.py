@@ -215,3 +215,83 @@ def test_linear_conv_op(monkeypatch):
         assert len(fused) == 1 and y.shape == (1, 1, 70) and c.shape == (1, 40) and c.dtype == torch.bfloat16
         for got, want in ((y.view(1, -1), want_y), (c, want_c), (pool, want_pool)):
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def _norm_want(x, r, nw, eps, round_input, ws, bias=None):
+    """RMSNorm (of x + r) by its torch reference, then F.linear in fp32; and the sum."""
+    from runtime.ops.linear.norm import add_rms_norm_ref
+    h, s = add_rms_norm_ref(x, r, nw, eps, round_input, ws[0].dtype)
+    return [F.linear(h.float(), w.float(), None if bias is None else bias.float()) for w in ws], s
+
+
+@pytest.mark.parametrize("Ns,K,block_k,res,rnd", [
+    ((33,), 130, 64, None, False), ((40, 9), 520, 512, torch.float32, True), ((5, 17, 40), 72, 64, torch.bfloat16, True),
+    ((24,), 300, 1024, torch.bfloat16, False)])
+def test_norm_prologue_matches_norm_then_linear(Ns, K, block_k, res, rnd):
+    """HF's RMSNorm (of the residual add x + r) as the gemv kernel's prologue: groups of 1-3 weights, K not a
+    multiple of the block, the sum written in the add's dtype (fp32 residual stream + bf16 output, or bf16 + bf16),
+    the norm's input rounded to the weights' dtype or not. bf16 weights; the interpreter rounds bf16 stores down, so
+    the sum is compared within one bf16 step."""
+    g = torch.Generator().manual_seed(K + block_k)
+    x = (torch.randn(1, K, generator=g) * 3).to(DEV, res or torch.bfloat16)
+    r = None if res is None else torch.randn(1, K, generator=g).to(DEV, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, torch.bfloat16)
+    ws = [(torch.randn(n, K, generator=g) / K ** 0.5).to(DEV, torch.bfloat16) for n in Ns]
+    bias = torch.randn(Ns[0], generator=g).to(DEV, torch.bfloat16) if len(Ns) == 1 else None
+    s = None if r is None else torch.empty(1, K, dtype=torch.promote_types(x.dtype, r.dtype), device=DEV)
+    got = linear_triton(x, ws, bias, config=dict(kernels.GEMV_NORM, block_k=block_k),
+                        norm=(nw, 1e-5, r, s, rnd))
+    want, want_s = _norm_want(x, r, nw, 1e-5, rnd, ws, bias)
+    for y, t in zip(got, want):
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), t, rtol=2e-2, atol=2e-2 * t.abs().max().item())
+    if s is not None:
+        assert s.dtype == want_s.dtype
+        torch.testing.assert_close(s.float(), want_s.float(), rtol=1e-2, atol=0)
+
+
+def test_norm_linear_op(monkeypatch):
+    """The op: one launch at one row (the prologue), [ys..., sum]; at three rows the row-wise norm kernel, then
+    hybrid::linear / linear_group; both within bf16 rounding of the reference; no residual: no sum."""
+    import runtime.ops  # noqa: F401
+    from runtime.ops.linear import ops
+    if DEV == "cpu":
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    fused = []
+    real = ops.linear_triton
+    monkeypatch.setattr(ops, "linear_triton", lambda *a, norm=None, **k: fused.append(norm is not None) or
+                        real(*a, norm=norm, **k))
+    g = torch.Generator().manual_seed(5)
+    K = 96
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, torch.bfloat16)
+    ws = [(torch.randn(n, K, generator=g) / K ** 0.5).to(DEV, torch.bfloat16) for n in (40, 24)]
+    for rows in (1, 3):
+        x = torch.randn(rows, 1, K, generator=g).to(DEV)  # an fp32 residual stream
+        r = torch.randn(rows, 1, K, generator=g).to(DEV, torch.bfloat16)
+        fused.clear()
+        out = torch.ops.hybrid.norm_linear(x, r, nw, 1e-6, True, ws, None)
+        want, want_s = _norm_want(x, r, nw, 1e-6, True, ws)
+        assert [o.shape for o in out] == [(rows, 1, 40), (rows, 1, 24), (rows, 1, K)]
+        assert out[2].dtype == torch.float32 and fused == ([True] if rows == 1 else [])
+        for y, t in zip(out, want):
+            torch.testing.assert_close(y.float(), t, rtol=2e-2, atol=2e-2 * t.abs().max().item())
+        torch.testing.assert_close(out[2], want_s)
+    out = torch.ops.hybrid.norm_linear(x[:1].to(torch.bfloat16), None, nw, 1e-6, False, ws[:1], None)
+    assert len(out) == 1 and out[0].shape == (1, 1, 40)
+
+
+def test_add_rms_norm_kernel_matches_reference():
+    """The row-wise fallback kernel: rows of odd width, fp32 + bf16 and bf16 + bf16 sums, rounding on and off."""
+    from runtime.ops.linear.norm import add_rms_norm_ref, add_rms_norm_triton
+    g = torch.Generator().manual_seed(9)
+    for xdt, rdt, rnd in ((torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.bfloat16, False),
+                          (torch.float32, None, False)):
+        x = (torch.randn(5, 130, generator=g) * 2).to(DEV, xdt)
+        r = None if rdt is None else torch.randn(5, 130, generator=g).to(DEV, rdt)
+        nw = (1 + 0.1 * torch.randn(130, generator=g)).to(DEV, torch.bfloat16)
+        h, s = add_rms_norm_triton(x, r, nw, 1e-5, rnd, torch.bfloat16)
+        wh, ws = add_rms_norm_ref(x, r, nw, 1e-5, rnd, torch.bfloat16)
+        torch.testing.assert_close(h.float(), wh.float(), rtol=2e-2, atol=2e-2)
+        assert (s is None) == (ws is None)
+        if s is not None:
+            torch.testing.assert_close(s.float(), ws.float(), rtol=1e-2, atol=0)

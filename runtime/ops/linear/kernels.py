@@ -51,9 +51,28 @@ def _gate(x, z_ptrs, g_ptrs, ok):
 
 
 @triton.jit
+def _norm_in(x, r_ptrs, s_ptrs, g_ptrs, ok, store, HAS_RES: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm as a prologue (HF's LlamaRMSNorm / MambaRMSNorm), like ``_gate``: -> (x * g, x^2). HAS_RES: the norm's
+    input is first the residual add x + r, rounded to s's dtype (the add's result dtype) and, where ``store``, written
+    to s (one program writes it: the graph still reads the sum as the next residual). ROUND: the norm's input is
+    rounded to ``dtype`` (the weights' dtype), where HF casts the sum down before the norm."""
+    if HAS_RES:
+        x = (x + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(s_ptrs.dtype.element_ty)
+        if store:
+            tl.store(s_ptrs, x, mask=ok)
+        x = x.to(tl.float32)
+    if ROUND:
+        x = x.to(dtype).to(tl.float32)
+    g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return x * g, x * x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z_ptr, g_ptr, eps, N0, N1, N2, K,
                  s0, s1, s2, NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                 r_ptr=None, s_ptr=None, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+                 ROUND: tl.constexpr = False):
     if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next one launch
         gdc_wait()
         gdc_launch_dependents()
@@ -85,9 +104,13 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
         if GATED:
             x, h2 = _gate(x, z_ptr + cols, g_ptr + cols, cols < K)
             sq += h2
+        if NORM:
+            x, h2 = _norm_in(x, r_ptr + cols, s_ptr + cols, g_ptr + cols, cols < K, pid == 0, HAS_RES, ROUND,
+                             w0_ptr.dtype.element_ty)
+            sq += h2
         acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
-    if GATED:
+    if GATED or NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + tl.cast(eps, tl.float32))
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
@@ -169,15 +192,21 @@ DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 #: gated norm prologue (Mamba2's out_proj, 26 MB, one row): 9.6 us vs 13.3 us at GEMV's config, whose 512-wide
 #: steps spend proportionally more on the x / z / norm-weight loads (bench/linear.py --gated --sweep, 2026-11-30)
 GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
+#: RMSNorm prologue (one row), best or within 3% of the best gemv config at Mamba2's in_proj (54 MB: 16.6 us against
+#: 18.5 for an Inductor norm kernel + the dot kernel) and lm_head (257 MB: 62.8 against 64.3), and DeepSeek's q_proj +
+#: kv_a_proj (5.8 against 8.9) (bench/linear.py --rms sweep, 2026-11-30)
+GEMV_NORM = dict(kind="gemv", block_n=8, block_k=512, warps=4, stages=4)
 
 
-def pick_config(M: int, Ns: list[int], K: int, gated: bool = False) -> dict | None:
+def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool = False) -> dict | None:
     """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS.
     2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
     (``bench/linear.py --sweep``); below that cuBLAS is as fast. gated (a gated RMSNorm prologue, one weight):
     one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
+    if norm:  # one row: the gemv kernel at every size (the dot kernel's prologue ran 1.7-3.5x slower); else None
+        return GEMV_NORM if M == 1 else None
     nbytes = Ns[0] * K * 2
     if gated:  # one row: at 2-16 rows the dot kernel (prologue in the dot operand's layout, redundant per warp)
         # reached 7% of the bandwidth and a multi-row CUDA-core gemv 12-41% (bench/linear.py --gated): cuBLAS
@@ -199,15 +228,19 @@ def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
-                  config: dict | None = None, gate: tuple | None = None) -> list[torch.Tensor]:
+                  config: dict | None = None, gate: tuple | None = None, norm: tuple | None = None
+                  ) -> list[torch.Tensor]:
     """x [M, K] (rows contiguous), weights [N_i, K] (rows contiguous; 1-3 of them, gemv: M == 1; bias only with one
     weight) -> [x @ w_i^T (+ bias)] in the weights' dtype.
 
     gate = (z [M, K] (rows contiguous), norm weight [K], eps): the input is first HF's gated RMSNorm of x
-    (one group of K; see ``_gate``), x and z in any float dtype. One weight only."""
+    (one group of K; see ``_gate``), x and z in any float dtype. One weight only.
+    norm = (norm weight [K], eps, r, s, round): the input is first HF's RMSNorm of x, or of x + r when r (like x) is
+    given, the sum written to s [M, K] (its dtype: the add's); round: the norm's input rounded to the weights' dtype
+    (see ``_norm_in``). The gemv kernel (one row)."""
     M, K = x.shape
     Ns = [w.shape[0] for w in weights]
-    cfg = config or pick_config(M, Ns, K, gate is not None)
+    cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None)
     assert cfg is not None, f"no Triton config for M={M}, N={Ns}, K={K}: use F.linear"
     assert all(w.shape[1] == K and w.stride(1) == 1 for w in weights) and x.stride(1) == 1, \
         "x and the weights must have contiguous rows of K"
@@ -226,13 +259,21 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         bn = cfg["block_n"]
         w3, y3, n3 = (weights + [weights[0]] * 2)[:3], (ys + [ys[0]] * 2)[:3], (Ns + [0, 0])[:3]
         grid = (sum(triton.cdiv(n, bn) for n in Ns),)
+        extra = {}
+        if norm is not None:
+            g, eps, r, s, rnd = norm
+            assert gate is None and g.shape == (K,) and g.stride(0) == 1, "norm: weight [K], no gate"
+            assert (r is None) == (s is None) and (r is None or r.shape == s.shape == x.shape and
+                                                   r.stride(1) == s.stride(1) == 1), "norm: r and s like x"
+            extra = dict(r_ptr=x if r is None else r, s_ptr=x if s is None else s, NORM=True, HAS_RES=r is not None,
+                         ROUND=bool(rnd))
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3),
                            NUM_W=len(weights), HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn,
-                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **opts)
+                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **extra, **opts)
         return ys
     assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]
-    assert gate is None, "the dot kernel has no gated prologue (the gemv kernels do)"
+    assert gate is None and norm is None, "the dot kernel has no norm prologue (the gemv kernel has)"
     bn = max(16, cfg["block_n"])
     _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
                                                   *[x] * 4, *[0] * 8, HAS_BIAS=bias is not None, BLOCK_N=bn,

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..library import op_name, use_triton
 from .kernels import DTYPES, conv_config, linear_conv_triton, linear_triton, pick_config
+from .norm import add_rms_norm_ref, add_rms_norm_triton
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -25,11 +26,12 @@ def _rows(t: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], gated: bool = False) -> Optional[Tensor]:
-    """x as [M, K] rows when the Triton kernels take this call, else None."""
-    if not use_triton(x) or x.dim() == 0 or not (x.dtype in DTYPES or gated and x.is_floating_point()):
+def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], prologue: str = "") -> Optional[Tensor]:
+    """x as [M, K] rows when the Triton kernels take this call, else None. prologue ("gated" / "norm"): x is a norm's
+    input, of any float dtype."""
+    if not use_triton(x) or x.dim() == 0 or not (x.dtype in DTYPES or prologue and x.is_floating_point()):
         return None
-    dtype = weights[0].dtype if gated else x.dtype
+    dtype = weights[0].dtype if prologue else x.dtype
     if dtype not in DTYPES:
         return None
     if any(w.dtype != dtype or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device for w in weights):
@@ -37,7 +39,8 @@ def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], gated
     if bias is not None and (bias.dtype != dtype or bias.shape != weights[0].shape[:1] or bias.stride(0) != 1):
         return None
     K = x.shape[-1]
-    if K == 0 or pick_config(x.numel() // K, [w.shape[0] for w in weights], K, gated) is None:
+    if K == 0 or pick_config(x.numel() // K, [w.shape[0] for w in weights], K, prologue == "gated",
+                             prologue == "norm") is None:
         return None
     return _rows(x)
 
@@ -79,7 +82,7 @@ def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, gro
     K = x.shape[-1]
     rows = None
     if group_size == K and z.shape == x.shape and norm_weight.shape == (K,) and norm_weight.stride(0) == 1:
-        rows = _triton_rows(x, [weight], bias, gated=True)
+        rows = _triton_rows(x, [weight], bias, "gated")
     if rows is None:
         from ..ssm import ops as _ssm  # noqa: F401  (registers hybrid::gated_rms_norm; ssm imports this module)
         y = torch.ops.hybrid.gated_rms_norm(x, z, norm_weight, eps, group_size)
@@ -121,3 +124,43 @@ def _(x, weight, bias, conv_state, conv_weight, conv_bias, c0):
     rows = x.numel() // x.shape[-1]
     return (x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype),
             x.new_empty((rows, conv_weight.shape[0]), dtype=weight.dtype))
+
+
+@torch.library.custom_op(op_name("norm_linear"), mutates_args=())
+def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float, round_input: bool,
+                weights: list[Tensor], bias: Optional[Tensor] = None) -> list[Tensor]:
+    """HF's RMSNorm of x (or of the residual add s = x + residual), then the linears that read it (1-3 weights
+    sharing the input; bias only with one): ``[F.linear(h, w_i, bias) ...]``, then s when residual is given.
+    h = norm_weight * (t * rsqrt(mean(t^2) + eps)).to(t.dtype) in the weights' dtype, t = s or x, rounded to the
+    weights' dtype first when round_input (norm.py). One row on CUDA: one launch, the norm (and the add) as the gemv
+    kernel's prologue; otherwise the norm kernel, then ``hybrid::linear`` / ``hybrid::linear_group``."""
+    K = x.shape[-1]
+    wdtype = weights[0].dtype
+    rows = None
+    if norm_weight.shape == (K,) and norm_weight.stride(0) == 1 and (residual is None or residual.shape == x.shape):
+        rows = _triton_rows(x, weights, bias, "norm")
+    if rows is not None:
+        r = None if residual is None else _rows(residual)
+        s = None if r is None else torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, r.dtype), device=x.device)
+        ys = linear_triton(rows, weights, bias, norm=(norm_weight, eps, r, s, round_input))
+        ys = [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
+        return ys if s is None else ys + [s.view(x.shape)]
+    if use_triton(x) and norm_weight.stride(0) == 1 and K <= 8192:
+        h, s = add_rms_norm_triton(_rows(x), None if residual is None else _rows(residual), norm_weight, eps,
+                                   round_input, wdtype)
+        h = h.view(x.shape)
+        s = None if s is None else s.view(x.shape)
+    else:
+        h, s = add_rms_norm_ref(x, residual, norm_weight, eps, round_input, wdtype)
+    if len(weights) == 1:
+        ys = [torch.ops.hybrid.linear(h, weights[0], bias)]
+    else:
+        assert bias is None, "bias only with one weight"
+        ys = list(torch.ops.hybrid.linear_group(h, weights))
+    return ys if s is None else ys + [s.contiguous()]
+
+
+@norm_linear.register_fake
+def _(x, residual, norm_weight, eps, round_input, weights, bias=None):
+    ys = [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=w.dtype) for w in weights]
+    return ys if residual is None else ys + [x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))]

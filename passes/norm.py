@@ -1,0 +1,186 @@
+"""RMSNorm -> the prologue of the one linear launch that reads it (``hybrid::norm_linear``), with the residual add
+before the norm when there is one.
+
+A decoder layer starts with ``residual + out`` then an RMSNorm whose output only a projection reads (DeepSeek's
+``q_proj`` + ``kv_a_proj``, Mixtral's q/k/v, a dense MLP's gate + up, the final norm's ``lm_head``). Inductor runs
+the add and the norm as one small kernel before the projection's; at one row that kernel is a fixed cost of 2-3 us
+for 10-20 KB of data. ``hybrid::norm_linear`` computes the sum and the norm as the gemv kernel's prologue (each
+program reads the whole row anyway; one writes the sum, which the graph still reads as the next residual), and runs
+the norm kernel, then the linears, where that kernel does not take the call (more rows).
+
+What fires: a module that holds one 1-D ``weight`` and no children and has an ``eps`` / ``variance_epsilon`` (an RMSNorm,
+by what it holds), called once in the graph, whose math a probe proves (the live module on random input against
+``w * (t * rsqrt(mean(t^2) + eps)).to(t.dtype)``: Gemma's ``1 + w`` or a LayerNorm fail it); its output must reach
+exactly one ``hybrid::linear`` / ``hybrid::linear_group`` (what passes/linear.py emits) through casts and identity
+slices, and its input must be in the weights' dtype or fp32. Runs after passes/linear.py; the explain report's graph
+note counts the fused norms and says why the others were not.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from compiler.numerics import close
+from graphs.regions import Region, find_regions, node_value
+
+from .base import PassContext, eager_probe
+
+KIND = "norm"
+
+
+def rmsnorm_eps(m: torch.nn.Module | None) -> float | None:
+    """eps of a module that holds one 1-D ``weight`` parameter, no buffers and no children, else None."""
+    if m is None or next(m.children(), None) is not None or next(m.buffers(recurse=False), None) is not None:
+        return None
+    params = dict(m.named_parameters(recurse=False))
+    if list(params) != ["weight"] or params["weight"].dim() != 1:
+        return None
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return float(eps) if isinstance(eps, (float, int)) and not isinstance(eps, bool) else None
+
+
+def _probe(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str | None:
+    """None when the module computes HF's RMSNorm on ``dtype`` input, else why not."""
+    from runtime.ops.linear.norm import add_rms_norm_ref
+    w = m.weight
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x = (torch.randn(2, 3, w.shape[0], generator=g) * 2 + 0.5).to(w.device, dtype)
+    with eager_probe():
+        got = m(x)
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return "its output is not one tensor shaped like its input"
+    want = add_rms_norm_ref(x, None, w, eps, False, got.dtype)[0]
+    ok, msg = close(got, want, dtype, tol=1e-5 if dtype == torch.float32 else 1e-2)
+    return None if ok else f"its math is not RMSNorm's w * (x * rsqrt(mean(x^2) + eps)) ({msg})"
+
+
+def _is_cast(n: fx.Node) -> bool:
+    """``t.to(dtype)`` / ``t.float()`` style casts that keep the shape."""
+    return n.op == "call_method" and n.target in ("to", "float", "bfloat16", "half") and len(n.all_input_nodes) == 1
+
+
+def _is_identity_slice(n: fx.Node) -> bool:
+    """``t[:, -1:, :]`` and the like that keep the whole tensor here (same shape as their input)."""
+    if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+        return False
+    src, out = node_value(n.args[0]), node_value(n)
+    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and tuple(src.shape) == tuple(out.shape) \
+        and all(isinstance(i, slice) for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
+
+
+def _is_add(n: fx.Node) -> bool:
+    if n.op != "call_function" or n.target not in (operator.add, torch.add) or n.kwargs or len(n.args) != 2:
+        return False
+    a, b = (node_value(x) for x in n.args)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape) \
+        and a.is_floating_point() and b.is_floating_point()
+
+
+class FuseNorm:
+    kind = KIND
+    name = "norm"
+
+    def run(self, ctx: PassContext) -> int:
+        graph = ctx.gm.graph
+        consumers = {torch.ops.hybrid.linear.default, torch.ops.hybrid.linear_group.default}
+        linears = [n for n in graph.nodes if n.op == "call_function" and n.target in consumers]
+        if not linears:
+            return 0
+        regions = find_regions(ctx.gm, ctx.index, lambda m: KIND if rmsnorm_eps(m) is not None else None)
+        if not regions:
+            return 0
+        by_output = {r.outputs[0]: r for r in regions if len(r.outputs) == 1}
+        fused, why = 0, {}
+        for r in regions:
+            why[r.path] = "no hybrid linear reads it" if len(r.outputs) == 1 else \
+                f"{len(r.outputs)} outputs (called more than once in this graph?)"
+        for lin in linears:
+            chain = [lin.args[0]]  # the linear's input back to the norm's output: casts and identity slices
+            while chain[-1] not in by_output and (_is_cast(chain[-1]) or _is_identity_slice(chain[-1])):
+                chain.append(chain[-1].args[0])
+            region = by_output.get(chain[-1])
+            if region is None:
+                continue
+            reason = self._fuse(ctx, lin, chain, region)
+            if reason is None:
+                fused += 1
+                why.pop(region.path, None)
+            else:
+                why[region.path] = reason
+        if fused:
+            graph.lint()
+            ctx.gm.recompile()
+        by_reason: dict[str, list[str]] = {}
+        for path, reason in why.items():
+            by_reason.setdefault(reason, []).append(path)
+        left = "; ".join(f"{len(ps)} where {reason} ({', '.join(sorted(ps)[:3])}{', ...' if len(ps) > 3 else ''})"
+                         for reason, ps in by_reason.items())
+        ctx.notes.append(f"{fused} RMSNorm (+ residual add) -> prologue of the linear that reads it "
+                         f"(hybrid::norm_linear)" + (f"; left to Inductor: {left}" if left else ""))
+        return fused
+
+    def _fuse(self, ctx: PassContext, lin: fx.Node, chain: list[fx.Node], region: Region) -> str | None:
+        """Rewrite one norm + linear, or say why not."""
+        graph = ctx.gm.graph
+        out = chain[-1]
+        if any(len(n.users) != 1 for n in chain):
+            return "its output is read by more than the linear"
+        m = region.module
+        eps = rmsnorm_eps(m)
+        weight = ctx.param_node(m.weight)
+        acts = [n for n in region.inputs if n is not weight and isinstance(node_value(n), torch.Tensor)]
+        if weight is None or weight not in region.inputs or len(acts) != 1:
+            return "cannot tell its input and weight apart"
+        t = acts[0]
+        tv, wv = node_value(t), node_value(lin.args[1][0] if isinstance(lin.args[1], (list, tuple)) else lin.args[1])
+        if tv.dtype not in (wv.dtype, torch.float32):
+            return f"its input is {tv.dtype}, neither the linear's {wv.dtype} nor fp32"
+        problem = _probe(m, eps, tv.dtype)
+        if problem:
+            return problem
+        # the norm's source: t, or what t casts (when only the norm reads the cast); a residual add there becomes part
+        # of the prologue (what else reads the sum reads the op's copy)
+        src = t.args[0] if _is_cast(t) and all(u in region for u in t.users) else t
+        add = src if _is_add(src) else None
+        x, residual = (add.args[0], add.args[1]) if add is not None else (src, None)
+        weights = lin.args[1] if isinstance(lin.args[1], (list, tuple)) else [lin.args[1]]
+        bias = lin.args[2] if lin.target is torch.ops.hybrid.linear.default and len(lin.args) > 2 else None
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        anchor = add if add is not None else src
+        if anchor.op == "placeholder":  # the call goes after every placeholder
+            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        for p in [weight, *weights, *([bias] if bias is not None else [])]:
+            if order[p] > order[anchor]:
+                if p.op != "get_attr":
+                    return "a weight of its linear is computed after the norm's input"
+                anchor.prepend(p)  # a frozen weight: a get_attr placed at its first use
+        with graph.inserting_after(anchor):
+            call = graph.call_function(torch.ops.hybrid.norm_linear.default,
+                                       (x, residual, weight, eps, tv.dtype != torch.float32, list(weights), bias))
+        ys = node_value(lin)
+        ys = list(ys) if isinstance(ys, (list, tuple)) else [ys]
+        call.meta.update({k: v for k, v in lin.meta.items() if k != "example_value" and k != "val"})
+        call.meta["example_value"] = ys + ([node_value(add)] if add is not None else [])
+        if lin.target is torch.ops.hybrid.linear.default:
+            with graph.inserting_after(call):
+                item = graph.call_function(operator.getitem, (call, 0))
+            item.meta.update(lin.meta)
+            lin.replace_all_uses_with(item)
+        else:
+            lin.replace_all_uses_with(call)
+        graph.erase_node(lin)
+        for n in chain[:-1]:  # the linear's input first: each is the only user of the next
+            graph.erase_node(n)
+        for n in reversed(region.nodes):
+            graph.erase_node(n)
+        if t is not src:
+            graph.erase_node(t)
+        if add is not None:
+            with graph.inserting_after(call):
+                s = graph.call_function(operator.getitem, (call, len(ys)))
+            s.meta.update(add.meta)
+            add.replace_all_uses_with(s)
+            graph.erase_node(add)
+        return None

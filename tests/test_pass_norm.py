@@ -1,0 +1,101 @@
+"""passes/norm.py: an RMSNorm (and the residual add before it) read by one hybrid linear becomes that linear's
+prologue (hybrid::norm_linear); logits and greedy tokens unchanged. Not fired: norms read by more than a linear (an
+MoE block's), norms a mixer reads, a norm whose math is not RMSNorm's (Gemma's 1 + w), and with the switch off."""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from compiler import zoo
+from compiler.numerics import rel_err
+from harness import compiled_with_spy
+
+
+def _ops(gm: fx.GraphModule) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and str(n.target).startswith("hybrid."):
+            name = str(n.target).split(".")[1]
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _decode(model, options=None):
+    """One decode-shaped call (one row) through the backend: (logits error vs eager, ops per graph, norm note)."""
+    ids = torch.randint(3, model.config.vocab_size, (1, 1))
+    with torch.no_grad():
+        want = model(ids).logits
+    with compiled_with_spy(model.forward, options or {}, _ops) as (fn, report, seen):
+        got = fn(ids).logits
+    notes = [n for g in report.graphs for n in g.notes if "RMSNorm" in n]
+    return rel_err(got, want), seen, notes
+
+
+def test_llama_every_norm_fused_with_its_residual_add():
+    """Llama: per layer input_layernorm -> q/k/v and post_attention_layernorm -> gate + up (each after a residual
+    add, except the first layer's), and the final norm -> lm_head: five norm_linear calls, no group / linear left
+    for them, logits equal."""
+    model = zoo.build("llama")
+    err, seen, notes = _decode(model)
+    assert err < 1e-5
+    layers = model.config.num_hidden_layers
+    ops = seen[0]
+    assert ops.get("norm_linear") == 2 * layers + 1 and "linear_group" not in ops, ops
+    assert ops.get("linear") == 2 * layers  # o_proj and down_proj read no norm
+    assert notes == [f"{2 * layers + 1} RMSNorm (+ residual add) -> prologue of the linear that reads it "
+                     "(hybrid::norm_linear)"]
+
+
+def test_moe_and_mixer_norms_stay():
+    """DeepSeek-V2: the post-attention norm feeds the router, the experts and the shared experts (more than one
+    linear), kv_a_layernorm feeds the MLA op: left to Inductor and said why. The input norms and the final norm
+    fuse. Mamba2: the block norm feeds the mixer op; only norm_f -> lm_head fuses (fp32 residual stream in bf16)."""
+    model = zoo.build("deepseek_v2")
+    err, seen, notes = _decode(model)
+    layers = model.config.num_hidden_layers
+    assert err < 1e-5 and seen[0].get("norm_linear") == layers + 1
+    assert len(notes) == 1 and f"where its output is read by more than the linear (model.layers.0.post_attention_" \
+        in notes[0] and "where no hybrid linear reads it (model.layers.0.self_attn.kv_a_layernorm" in notes[0]
+    model = zoo.build("mamba2", dtype=torch.bfloat16)
+    err, seen, notes = _decode(model)
+    assert err < 2e-2 and seen[0].get("norm_linear") == 1
+    assert "where no hybrid linear reads it (backbone.layers.0.norm, backbone.layers.1.norm)" in notes[0]
+
+
+def test_not_rmsnorm_math_is_left_alone():
+    """Gemma's RMSNorm (weight applied as 1 + w) holds what an RMSNorm holds: the probe rejects it, the logits stay
+    right."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    model = zoo.build("llama")
+    hidden = model.config.hidden_size
+    model.model.norm = GemmaRMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        model.model.norm.weight.normal_()
+    err, seen, notes = _decode(model)
+    assert err < 1e-5 and seen[0].get("norm_linear") == 2 * model.config.num_hidden_layers
+    assert "where its math is not RMSNorm's" in notes[0] and "(model.norm)" in notes[0]
+
+
+def test_greedy_generate_unchanged_bf16():
+    """Greedy generate through the backend (prefill falls back to the norm kernel / reference + F.linear, decode
+    rows take the prologue where the kernels run) equals eager, bf16 Llama and Mixtral."""
+    for name in ("llama", "mixtral"):
+        model = zoo.build(name, dtype=torch.bfloat16)
+        ids = torch.randint(3, model.config.vocab_size, (2, 7))
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=5, do_sample=False)
+            fwd = model.forward
+            torch._dynamo.reset()
+            model.forward = torch.compile(fwd, backend="hybrid")
+            try:
+                got = model.generate(ids, max_new_tokens=5, do_sample=False)
+            finally:
+                model.forward = fwd
+                torch._dynamo.reset()
+        assert torch.equal(got, want), name
+
+
+def test_switch_turns_it_off():
+    model = zoo.build("llama")
+    err, seen, notes = _decode(model, {"norm": False})
+    assert err < 1e-5 and "norm_linear" not in seen[0] and not notes
