@@ -5,6 +5,7 @@
     python bench/linear.py --smoke                                # CPU, interpreter, two tiny shapes
     python bench/linear.py --gated --rows 1,2,8,16 [--sweep]      # Mamba2's gated norm + out_proj, fused vs not
     python bench/linear.py --conv                                 # Mamba2's in_proj + conv update, fused vs not
+    python bench/linear.py --norm [--sweep]                       # RMSNorm as the gemv's prologue vs a norm kernel
 
 Shapes: every distinct nn.Linear (out, in) of the zoo's deepseek-v2-lite-shape, mamba2-2.7b-shape and
 mixtral-8x7b-shape models (read from a meta-device build), at M decode rows; and the groups of linears that share
@@ -289,6 +290,60 @@ def conv_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def norm_row(N: int, K: int, args, dev, dtype) -> dict:
+    """RMSNorm as the gemv kernel's prologue (what ``hybrid::norm_linear`` runs at one row, config GEMV_NORM) against
+    an Inductor norm kernel + what ``hybrid::linear`` runs; --sweep: every gemv config too."""
+    from runtime.ops.linear.kernels import GEMV_NORM
+    wbytes = N * K * 2
+    copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
+    g = torch.Generator(device=dev).manual_seed(N + K)
+    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    x = torch.randn(1, K, device=dev, dtype=dtype, generator=g)
+    nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=dtype, generator=g)
+    norm = (nw, 1e-6, None, None, False)
+
+    def torch_norm(t):
+        tf = t.float()
+        return nw * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(t.dtype)
+    got = linear_triton(x, [ws[0]], config=GEMV_NORM if dev == "cuda" else dict(GEMV_NORM, block_k=64),
+                        norm=norm)[0].float()
+    want = torch.nn.functional.linear(torch_norm(x).float(), ws[0].float())
+    r = dict(model="rmsnorm + linear", layer=f"{N}x{K}", M=1, N=(N,), K=K, weight_mb=wbytes / 2**20,
+             rel_err=((got - want).abs().max() / want.abs().max()).item(), picked=GEMV_NORM)
+    if dev != "cuda":
+        return r
+    R = max(8, copies)
+    nbytes = wbytes + K * 2 + N * 2
+    norm_c = torch.compile(torch_norm)
+    r["before_us"] = per_call_us([lambda i=i: linear_triton(norm_c(x), [ws[i % copies]]) for i in range(R)])
+    r["alone_us"] = per_call_us([lambda i=i: linear_triton(x, [ws[i % copies]]) for i in range(R)])
+    r["ours_us"] = per_call_us([lambda i=i: linear_triton(x, [ws[i % copies]], config=GEMV_NORM, norm=norm)
+                                for i in range(R)])
+    if args.sweep:
+        best = None
+        for cfg in sweep_configs(1, 2):
+            t = per_call_us([lambda i=i: linear_triton(x, [ws[i % copies]], config=cfg, norm=norm) for i in range(R)])
+            best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
+        r["best_us"], r["best"] = best
+    for k in ("before_us", "alone_us", "ours_us", "best_us"):
+        if k in r:
+            r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    tag(f"rms + linear N={N} K={K}: Inductor norm + linear {r['before_us']:.2f} us, linear alone {r['alone_us']:.2f},"
+        f" gemv with the norm {r['ours_us']:.2f} us")
+    return r
+
+
+def norm_table(rows: list[dict]) -> str:
+    lines = ["| N x K | Inductor norm + hybrid::linear us (% of 4.3 TB/s) | the linear alone us | norm as the gemv's "
+             "prologue us | x before | best swept us | best config | rel err |", "|" + "---|" * 8]
+    for r in rows:
+        f, err, bcfg = _cells(r)
+        ratio = f"{r['before_us'] / r['ours_us']:.2f}x" if "ours_us" in r else "-"
+        lines.append(f"| {r['N'][0]} x {r['K']} | {f('before_us')} | {f('alone_us')} | {f('ours_us')} | {ratio} | "
+                     f"{f('best_us')} | {bcfg} | {err} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -298,9 +353,16 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, two small shapes")
     ap.add_argument("--gated", action="store_true", help="Mamba2's gated norm + out_proj, fused vs not")
     ap.add_argument("--conv", action="store_true", help="Mamba2's in_proj with its conv-update epilogue vs without")
+    ap.add_argument("--norm", action="store_true", help="RMSNorm as the gemv kernel's prologue vs a norm kernel first")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.norm:  # Mamba2's in_proj and lm_head, an out_proj-sized weight, DeepSeek's q_proj + kv_a_proj
+        shapes = [(10576, 2560), (2560, 5120), (3072 + 576, 2048), (50288, 2560)] if cuda else [(40, 130)]
+        rows = [norm_row(N, K, args, dev, dtype) for N, K in shapes]
+        write(args.out, "linear_norm", rows, norm_table(rows))
+        print(norm_table(rows))
+        return 0
     if args.conv:  # mamba2-2.7b: in_proj [2 * 5120 + 2 * 128 + 80, 2560], conv channels 5120 + 2 * 128 from 5120
         rows = [conv_row(10576, 2560, 5376, 5120, dev, dtype) if cuda else conv_row(70, 48, 40, 9, dev, dtype)]
         write(args.out, "linear_conv", rows, conv_table(rows))

@@ -1,12 +1,13 @@
-"""``hybrid::linear``, ``hybrid::linear_group``, ``hybrid::gated_norm_linear``, ``hybrid::linear_conv``: opaque
-custom ops that pick their kernel per call.
+"""``hybrid::linear``, ``hybrid::linear_group``, ``hybrid::gated_norm_linear``, ``hybrid::norm_linear``,
+``hybrid::linear_conv``: opaque custom ops that pick their kernel per call.
 
 The row count is only known per call (one graph serves every batch size), so the choice is made at run time:
 one row on CUDA in fp16/bf16 (or up to 16 rows times an lm_head-sized weight) -> the Triton kernels (kernels.py,
 ``pick_config``); anything else -> ``F.linear`` (cuBLAS, or the CPU).
 The fake implementations give shapes only. ``linear_group`` computes 1-3 linears of one input in one launch;
-``gated_norm_linear`` is Mamba2's gated RMSNorm and out projection in one launch, ``linear_conv`` its decode in
-projection and conv update.
+``gated_norm_linear`` is Mamba2's gated RMSNorm and out projection in one launch, ``norm_linear`` an RMSNorm (with
+the residual add before it) and the linears that read it, ``linear_conv`` Mamba2's decode in projection and conv
+update.
 """
 from __future__ import annotations
 
