@@ -192,9 +192,10 @@ DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 #: gated norm prologue (Mamba2's out_proj, 26 MB, one row): 9.6 us vs 13.3 us at GEMV's config, whose 512-wide
 #: steps spend proportionally more on the x / z / norm-weight loads (bench/linear.py --gated --sweep, 2026-11-30)
 GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
-#: RMSNorm prologue (one row), best or within 3% of the best gemv config at Mamba2's in_proj (54 MB: 16.6 us against
-#: 18.5 for an Inductor norm kernel + the dot kernel) and lm_head (257 MB: 62.8 against 64.3), and DeepSeek's q_proj +
-#: kv_a_proj (5.8 against 8.9) (the sweep of bench/linear.py --norm --sweep: results/2026-11-30_linear_gemv_norm_h200.json)
+#: RMSNorm prologue (one row): the best swept gemv config at Mamba2's in_proj (54 MB: 16.6 us against 18.5 for an
+#: Inductor norm kernel + the dot kernel) and lm_head (257 MB: 62.8 against 64.3); at DeepSeek's q_proj + kv_a_proj
+#: (5.8 against 8.9) and a 2560 x 5120 weight the best had block_k 1024 (bench/linear.py --norm --sweep:
+#: results/2026-11-30_linear_gemv_norm_h200.json)
 GEMV_NORM = dict(kind="gemv", block_n=8, block_k=512, warps=4, stages=4)
 
 
