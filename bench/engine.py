@@ -19,6 +19,7 @@ near-ties late in a sequence, so the mean agreeing prefix is reported).
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 import traceback
@@ -81,7 +82,10 @@ def step_roofline_ms(model, engine: Engine, batch: int, context: float) -> tuple
 # -- variants -------------------------------------------------------------------------------------------
 def hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool) -> tuple[float, float, list]:
     """(ttft s, total s, generated ids) of one HF generate call."""
-    kw = dict(do_sample=False, attention_mask=torch.ones_like(prompts), pad_token_id=0)
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.eos_token_id = None  # never stop, like the engine's ignore_eos (min_new_tokens would mask the end token's
+    # logit instead, and the engine, which does not, would then differ from HF wherever that token is the argmax)
+    kw = dict(generation_config=cfg, do_sample=False, attention_mask=torch.ones_like(prompts), pad_token_id=0)
     if static:
         kw["cache_implementation"] = "static"
 
@@ -89,7 +93,7 @@ def hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool) -> 
         sync()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompts, max_new_tokens=n, min_new_tokens=n, **kw)
+            out = model.generate(prompts, max_new_tokens=n, **kw)
         sync()
         return time.perf_counter() - t0, out
 

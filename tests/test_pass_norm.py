@@ -3,6 +3,7 @@ prologue (hybrid::norm_linear); logits and greedy tokens unchanged. Not fired: n
 MoE block's), norms a mixer reads, a norm whose math is not RMSNorm's (Gemma's 1 + w), and with the switch off."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 
@@ -99,3 +100,20 @@ def test_switch_turns_it_off():
     model = zoo.build("llama")
     err, seen, notes = _decode(model, {"norm": False})
     assert err < 1e-5 and "norm_linear" not in seen[0] and not notes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU: the one-row prologue kernel runs there")
+def test_gpu_decode_logits_with_the_prologue():
+    """On the GPU the decode row takes the gemv kernel with the norm (and residual add) prologue: logits within bf16
+    rounding of eager, no further from eager than with the pass off."""
+    for name in ("llama", "mixtral", "deepseek_v2", "mamba2"):
+        model = zoo.build(name, dtype=torch.bfloat16, device="cuda")
+        torch.manual_seed(0)
+        ids = torch.randint(3, model.config.vocab_size, (1, 1), device="cuda")
+        with torch.no_grad():
+            want = model(ids).logits
+        errs = {}
+        for on in (True, False):
+            with compiled_with_spy(model.forward, {"norm": on, "inductor": False}, _ops) as (fn, report, seen):
+                errs[on] = rel_err(fn(ids).logits, want)
+        assert errs[True] < 2e-2 and errs[True] <= 2 * errs[False] + 2e-3, (name, errs)
