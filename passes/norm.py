@@ -93,9 +93,11 @@ class FuseNorm:
             return 0
         by_output = {r.outputs[0]: r for r in regions if len(r.outputs) == 1}
         fused, why = 0, {}
-        for r in regions:
-            why[r.path] = "no hybrid linear reads it" if len(r.outputs) == 1 else \
-                f"{len(r.outputs)} outputs (called more than once in this graph?)"
+        for r in regions:  # (a norm whose output nothing reads is one a region pass took apart: not reported)
+            if len(r.outputs) > 1:
+                why[r.path] = f"{len(r.outputs)} outputs (called more than once in this graph?)"
+            elif r.outputs:
+                why[r.path] = "no hybrid linear reads it"
         for lin in linears:
             chain = [lin.args[0]]  # the linear's input back to the norm's output: casts and identity slices
             while chain[-1] not in by_output and (_is_cast(chain[-1]) or _is_identity_slice(chain[-1])):
@@ -130,7 +132,9 @@ class FuseNorm:
         m = region.module
         eps = rmsnorm_eps(m)
         weight = ctx.param_node(m.weight)
-        acts = [n for n in region.inputs if n is not weight and isinstance(node_value(n), torch.Tensor)]
+        # a 0-d input is a scalar dynamo lifted (the eps under dynamic shapes): the module's own value is used
+        acts = [n for n in region.inputs if n is not weight and isinstance(node_value(n), torch.Tensor)
+                and node_value(n).dim() > 0]
         if weight is None or weight not in region.inputs or len(acts) != 1:
             return "cannot tell its input and weight apart"
         t = acts[0]

@@ -96,6 +96,23 @@ def test_greedy_generate_unchanged_bf16():
         assert torch.equal(got, want), name
 
 
+def test_fires_in_the_engine_graphs():
+    """The engine compiles with dynamic shapes, where dynamo lifts each norm's eps to a 0-d graph input: the decode
+    graph's five norms still fuse; the prefill graph's final norm feeds a gather of the last tokens, not a linear."""
+    from compiler.report import collect
+    from runtime.engine import Engine, SamplingParams
+    model = zoo.build("llama")
+    with collect() as report:
+        engine = Engine(model, compile="hybrid-eager")
+        out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4))
+    torch._dynamo.reset()
+    notes = [n for g in report.graphs for n in g.notes if "RMSNorm" in n]
+    assert [n.split(" RMSNorm")[0] for n in notes] == ["4", "5"], notes
+    assert "1 where no hybrid linear reads it (model.norm)" in notes[0]
+    assert out[0].token_ids == zoo.build("llama").generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=4,
+                                                           do_sample=False)[0, 5:].tolist()
+
+
 def test_switch_turns_it_off():
     model = zoo.build("llama")
     err, seen, notes = _decode(model, {"norm": False})
