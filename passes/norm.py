@@ -2,7 +2,7 @@
 before the norm when there is one.
 
 A decoder layer starts with ``residual + out`` then an RMSNorm whose output only a projection reads (DeepSeek's
-``q_proj`` + ``kv_a_proj``, Mixtral's q/k/v, a dense MLP's gate + up, the final norm's ``lm_head``). Inductor runs
+``q_proj`` + ``kv_a_proj``, Mixtral's q/k/v, a dense MLP's gate + up). Inductor runs
 the add and the norm as one small kernel before the projection's; at one row that kernel is a fixed cost of 2-3 us
 for 10-20 KB of data. ``hybrid::norm_linear`` computes the sum and the norm as the gemv kernel's prologue (each
 program reads the whole row anyway; one writes the sum, which the graph still reads as the next residual), and runs
@@ -12,8 +12,9 @@ What fires: a module that holds one 1-D ``weight`` and no children and has an ``
 by what it holds), called once in the graph, whose math a probe proves (the live module on random input against
 ``w * (t * rsqrt(mean(t^2) + eps)).to(t.dtype)``: Gemma's ``1 + w`` or a LayerNorm fail it); its output must reach
 exactly one ``hybrid::linear`` / ``hybrid::linear_group`` (what passes/linear.py emits) through casts and identity
-slices, and its input must be in the weights' dtype or fp32. Runs after passes/linear.py; the explain report's graph
-note counts the fused norms and says why the others were not.
+slices, the one-row kernel must take that linear (not an lm_head-sized weight: ``pick_config``), and the norm's
+input must be in the weights' dtype or fp32. Runs after passes/linear.py; the explain report's graph note counts
+the fused norms and says why the others were not.
 """
 from __future__ import annotations
 
@@ -141,6 +142,11 @@ class FuseNorm:
         tv, wv = node_value(t), node_value(lin.args[1][0] if isinstance(lin.args[1], (list, tuple)) else lin.args[1])
         if tv.dtype not in (wv.dtype, torch.float32):
             return f"its input is {tv.dtype}, neither the linear's {wv.dtype} nor fp32"
+        from runtime.ops.linear.kernels import pick_config
+        Ns = [node_value(w).shape[0] for w in (lin.args[1] if isinstance(lin.args[1], (list, tuple)) else [lin.args[1]])]
+        if pick_config(1, Ns, wv.shape[1], norm=True) is None:
+            return (f"the one-row prologue does not take its linear ({'+'.join(map(str, Ns))} x {wv.shape[1]}: an "
+                    "lm_head-sized weight or K > 8192, where the norm kernel, then the dot kernel or cuBLAS, are faster)")
         problem = _probe(m, eps, tv.dtype)
         if problem:
             return problem

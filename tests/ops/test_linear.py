@@ -60,6 +60,10 @@ def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [2560], 5120, gated=True) == kernels.GEMV_GATED
     assert pick_config(8, [2560], 5120, gated=True) is None  # more rows: the norm kernel, then cuBLAS
     assert pick_config(1, [2560, 64], 5120, gated=True) is None
+    assert pick_config(1, [3072, 576], 2048, norm=True) == kernels.GEMV_NORM  # the RMSNorm prologue: one row,
+    assert pick_config(1, [10944, 10944], 2048, norm=True) == kernels.GEMV_NORM  # groups too,
+    assert pick_config(1, [102400], 2048, norm=True) is None  # not an lm_head (the dot kernel after the norm's)
+    assert pick_config(2, [2048], 2048, norm=True) is None
 
 
 def test_ops_dispatch(monkeypatch):

@@ -192,10 +192,10 @@ DOT_BIG = dict(kind="dot", block_n=64, block_k=256, warps=4, stages=3)
 #: gated norm prologue (Mamba2's out_proj, 26 MB, one row): 9.6 us vs 13.3 us at GEMV's config, whose 512-wide
 #: steps spend proportionally more on the x / z / norm-weight loads (bench/linear.py --gated --sweep, 2026-11-30)
 GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
-#: RMSNorm prologue (one row): the best swept gemv config at Mamba2's in_proj (54 MB: 16.6 us against 18.5 for an
-#: Inductor norm kernel + the dot kernel) and lm_head (257 MB: 62.8 against 64.3); at DeepSeek's q_proj + kv_a_proj
-#: (5.8 against 8.9) and a 2560 x 5120 weight the best had block_k 1024 (bench/linear.py --norm --sweep:
-#: results/2026-11-30_linear_gemv_norm_h200.json)
+#: RMSNorm prologue (one row): the best swept gemv config at a 54 MB weight (Mamba2's in_proj shape: 16.6 us against
+#: 18.5 for an Inductor norm kernel + the dot kernel) and a 257 MB one (62.8 against 64.3 alone, slower in the engine:
+#: see pick_config); at DeepSeek's q_proj + kv_a_proj (5.8 against 8.9) and a 2560 x 5120 weight the best had block_k
+#: 1024 (bench/linear.py --norm --sweep: results/2026-11-30_linear_gemv_norm_h200.json)
 GEMV_NORM = dict(kind="gemv", block_n=8, block_k=512, warps=4, stages=4)
 
 
@@ -206,8 +206,11 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
     one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
-    if norm:  # one row: the gemv kernel at every size (the dot kernel's prologue ran 1.7-3.5x slower); else None
-        return GEMV_NORM if M == 1 else None
+    if norm:  # one row, weights below 128 MB: the gemv kernel (the dot kernel's prologue ran 1.7-3.5x slower). In
+        # the engine the lm_heads ran 9-16 us slower as this gemv than on the dot kernel (DeepSeek 400 MB, Mixtral
+        # 250 MB, Mamba2 257 MB with its fp32 input: every program rereads the input row), more than the norm
+        # kernel costs: None there, and below one row (the norm kernel, then hybrid::linear)
+        return GEMV_NORM if M == 1 and sum(Ns) * K * 2 < 128 << 20 else None
     nbytes = Ns[0] * K * 2
     if gated:  # one row: at 2-16 rows the dot kernel (prologue in the dot operand's layout, redundant per warp)
         # reached 7% of the bandwidth and a multi-row CUDA-core gemv 12-41% (bench/linear.py --gated): cuBLAS
