@@ -108,6 +108,20 @@ def per_call_us(calls) -> float:
     return statistics.median(times)
 
 
+def cold_weights(N: int, K: int, dev, dtype, seed: int) -> tuple[list[torch.Tensor], torch.Generator]:
+    """Copies of a random [N, K] weight covering 256 MB on the GPU (a graph that cycles through them reads each
+    cold, as a decode step does; one copy elsewhere), and the generator for the rest of the row's data."""
+    copies = max(2, min(128, -(-(256 << 20) // (N * K * 2)))) if dev == "cuda" else 1
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)], g
+
+
+def add_pct(r: dict, nbytes: int) -> None:
+    """For every "<name>_us" timing of the row, "<name>_pct": nbytes at that time as % of 4.3 TB/s."""
+    for k in [k for k in r if k.endswith("_us")]:
+        r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+
+
 def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
     wbytes = sum(Ns) * K * 2
     copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
@@ -147,9 +161,7 @@ def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
             if best is None or t < best[0]:
                 best = (t, cfg)
         r["best_us"], r["best"] = best
-    for k in ("cublas_us", "ours_us", "nopdl_us", "best_us"):
-        if k in r:
-            r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    add_pct(r, nbytes)
     tag(f"{model} {layer} M={M} N={Ns} K={K}: cuBLAS {r['cublas_us']:.2f} us, ours {r.get('ours_us', '-')} us"
         + (f", best {r['best_us']:.2f} us {r['best']}" if "best_us" in r else "") + f", err {err}")
     return r
@@ -160,9 +172,8 @@ def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
     norm kernel then hybrid::linear (Triton at one row, cuBLAS at more); also the norm then cuBLAS."""
     from runtime.ops.ssm.norm import gated_rms_norm_triton
     wbytes = N * K * 2
-    copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
-    g = torch.Generator(device=dev).manual_seed(N + K + M)
-    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    ws, g = cold_weights(N, K, dev, dtype, N + K + M)
+    copies = len(ws)
     y = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
     z = torch.randn(M, 2 * K, device=dev, dtype=dtype, generator=g)[:, K // 2:K // 2 + K]  # a slice, as the gate is
     nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=dtype, generator=g)
@@ -193,9 +204,7 @@ def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
                              for i in range(R)])
             best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
         r["best_us"], r["best"] = best
-    for k in ("cublas_us", "before_us", "ours_us", "best_us"):
-        if k in r:
-            r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    add_pct(r, nbytes)
     tag(f"gated out_proj M={M} N={N} K={K}: norm+cuBLAS {r['cublas_us']:.2f} us, before {r['before_us']:.2f} us, "
         f"ours {r.get('ours_us', '-')} us" + (f", best {r['best_us']:.2f} us {r['best']}" if "best_us" in r else ""))
     return r
@@ -245,9 +254,8 @@ def conv_row(N: int, K: int, C: int, c0: int, dev, dtype) -> dict:
     from runtime.ops.linear.kernels import conv_config, linear_conv_triton
     from runtime.ops.ssm.conv import causal_conv1d_update_triton
     wbytes = N * K * 2
-    copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
-    g = torch.Generator(device=dev).manual_seed(N + K)
-    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    ws, g = cold_weights(N, K, dev, dtype, N + K)
+    copies = len(ws)
     states = [torch.randn(1, C, 4, device=dev, dtype=dtype, generator=g) for _ in range(copies)]
     x = torch.randn(1, K, device=dev, dtype=dtype, generator=g)
     cw, cb = torch.randn(C, 4, device=dev, dtype=dtype, generator=g), torch.randn(C, device=dev, dtype=dtype, generator=g)
@@ -271,9 +279,7 @@ def conv_row(N: int, K: int, C: int, c0: int, dev, dtype) -> dict:
         for i in range(R)])
     r["ours_us"] = per_call_us([lambda i=i: linear_conv_triton(x, ws[i % copies], None, states[i % copies], cw, cb, c0,
                                                                config=cfg) for i in range(R)])
-    nbytes = wbytes + K * 2 + N * 2
-    for k in ("alone_us", "two_us", "ours_us"):
-        r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    add_pct(r, wbytes + K * 2 + N * 2)
     tag(f"in_proj + conv N={N} K={K}: projection alone {r['alone_us']:.2f} us, projection then conv kernel "
         f"{r['two_us']:.2f} us, fused {r['ours_us']:.2f} us")
     return r
@@ -295,9 +301,8 @@ def norm_row(N: int, K: int, args, dev, dtype) -> dict:
     an Inductor norm kernel + what ``hybrid::linear`` runs; --sweep: every gemv config too."""
     from runtime.ops.linear.kernels import GEMV_NORM
     wbytes = N * K * 2
-    copies = max(2, min(128, -(-(256 << 20) // wbytes))) if dev == "cuda" else 1
-    g = torch.Generator(device=dev).manual_seed(N + K)
-    ws = [torch.randn(N, K, device=dev, dtype=dtype, generator=g) / K ** 0.5 for _ in range(copies)]
+    ws, g = cold_weights(N, K, dev, dtype, N + K)
+    copies = len(ws)
     x = torch.randn(1, K, device=dev, dtype=dtype, generator=g)
     nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=dtype, generator=g)
     norm = (nw, 1e-6, None, None, False)
@@ -325,9 +330,7 @@ def norm_row(N: int, K: int, args, dev, dtype) -> dict:
             t = per_call_us([lambda i=i: linear_triton(x, [ws[i % copies]], config=cfg, norm=norm) for i in range(R)])
             best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
         r["best_us"], r["best"] = best
-    for k in ("before_us", "alone_us", "ours_us", "best_us"):
-        if k in r:
-            r[k.replace("_us", "_pct")] = 100 * nbytes / (r[k] * 1e-6) / HBM_BPS
+    add_pct(r, nbytes)
     tag(f"rms + linear N={N} K={K}: Inductor norm + linear {r['before_us']:.2f} us, linear alone {r['alone_us']:.2f},"
         f" gemv with the norm {r['ours_us']:.2f} us")
     return r
