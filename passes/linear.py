@@ -44,7 +44,7 @@ def _parts(n: fx.Node):
     return x, w, b
 
 
-def _may_mutate(n: fx.Node) -> bool:
+def may_mutate(n: fx.Node) -> bool:
     """Could this node write into a tensor (in place, through an out= argument, or an opaque module call)?"""
     if n.op == "call_module":
         return True
@@ -88,7 +88,7 @@ class DecodeLinear:
                 # one launch computes every member where the first stands: nothing in between may write into
                 # the input or a weight
                 between = nodes[order[chunk[0]] + 1:order[chunk[-1]]]
-                if len(chunk) == 1 or any(map(_may_mutate, between)):
+                if len(chunk) == 1 or any(map(may_mutate, between)):
                     singles.extend(chunk)
                     continue
                 x = parts[chunk[0]][0]

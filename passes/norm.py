@@ -27,6 +27,7 @@ from compiler.numerics import close
 from graphs.regions import Region, find_regions, node_value
 
 from .base import PassContext, eager_probe
+from .linear import may_mutate
 
 KIND = "norm"
 
@@ -47,7 +48,9 @@ def _probe(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str | None:
     from runtime.ops.linear.norm import add_rms_norm_ref
     w = m.weight
     g = torch.Generator(device="cpu").manual_seed(11)
-    x = (torch.randn(2, 3, w.shape[0], generator=g) * 2 + 0.5).to(w.device, dtype)
+    x = torch.randn(2, 3, w.shape[0], generator=g) * 2 + 0.5
+    x[1] *= 1e-3  # rows with mean(x^2) near eps: a module that uses another eps than the one it holds shows there
+    x = x.to(w.device, dtype)
     with eager_probe():
         got = m(x)
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
@@ -157,18 +160,23 @@ class FuseNorm:
         x, residual = (add.args[0], add.args[1]) if add is not None else (src, None)
         weights = lin.args[1] if isinstance(lin.args[1], (list, tuple)) else [lin.args[1]]
         bias = lin.args[2] if lin.target is torch.ops.hybrid.linear.default and len(lin.args) > 2 else None
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        nodes = list(graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
         anchor = add if add is not None else src
         if anchor.op == "placeholder":  # the call goes after every placeholder
-            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        for p in [weight, *weights, *([bias] if bias is not None else [])]:
-            if order[p] > order[anchor]:
-                if p.op != "get_attr":
-                    return "a weight of its linear is computed after the norm's input"
-                anchor.prepend(p)  # a frozen weight: a get_attr placed at its first use
+            anchor = [n for n in nodes if n.op == "placeholder"][-1]
+        # the call computes the norm where its input is made: nothing up to the linear may write in place (into the
+        # input, the sum, or anything else: the order of such writes against the norm would change)
+        if any(map(may_mutate, nodes[order[anchor] + 1:order[lin]])):
+            return "something between its input and its linear may write in place"
+        late = [p for p in [weight, *weights, *([bias] if bias is not None else [])] if order[p] > order[anchor]]
+        if any(p.op != "get_attr" for p in late):
+            return "a weight of its linear is computed after the norm's input"
         with graph.inserting_after(anchor):
             call = graph.call_function(torch.ops.hybrid.norm_linear.default,
                                        (x, residual, weight, eps, tv.dtype != torch.float32, list(weights), bias))
+        for p in late:  # frozen weights: get_attr nodes placed at their first use
+            call.prepend(p)
         ys = node_value(lin)
         ys = list(ys) if isinstance(ys, (list, tuple)) else [ys]
         call.meta.update({k: v for k, v in lin.meta.items() if k != "example_value" and k != "val"})

@@ -77,6 +77,36 @@ def test_not_rmsnorm_math_is_left_alone():
     assert "where its math is not RMSNorm's" in notes[0] and "(model.norm)" in notes[0]
 
 
+class _WriteBetween(torch.nn.Module):
+    """The norm's input is written in place between the residual add and the norm: the norm must read the written
+    values, so the pass must not move it up to the add."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        self.norm = LlamaRMSNorm(64, eps=1e-6)
+        self.lin = torch.nn.Linear(64, 32, bias=False)
+        with torch.no_grad():
+            self.norm.weight.normal_()
+
+    def forward(self, a, b):
+        h = a + b
+        h.add_(1.0)
+        return self.lin(self.norm(h)), h
+
+
+def test_write_in_place_between_keeps_the_norm():
+    m = _WriteBetween().eval()
+    a, b = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
+    with torch.no_grad():
+        want = m(a, b)
+    with compiled_with_spy(m, {}, _ops) as (fn, report, seen):
+        got = fn(a, b)
+    torch.testing.assert_close(got, want)
+    notes = [n for g in report.graphs for n in g.notes if "RMSNorm" in n]
+    assert "norm_linear" not in seen[0] and "something between its input and its linear may write in place" in notes[0]
+
+
 def test_lm_head_sized_weight_keeps_the_norm_kernel():
     """A 128 MB lm_head (2^20 x 64 in bf16): the one-row prologue does not take it (a norm kernel, then the dot
     kernel, are faster there); the layers' norms still fuse."""

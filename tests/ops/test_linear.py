@@ -230,10 +230,11 @@ def _norm_want(x, r, nw, eps, round_input, ws, bias=None):
 
 @pytest.mark.parametrize("Ns,K,block_k,res,rnd", [
     ((33,), 130, 64, None, False), ((40, 9), 520, 512, torch.float32, True), ((5, 17, 40), 72, 64, torch.bfloat16, True),
-    ((24,), 300, 1024, torch.bfloat16, False)])
+    ((24,), 300, 1024, torch.bfloat16, False), ((40, 9, 17), 1024, 512, torch.bfloat16, True),
+    ((33,), 512, 512, torch.float32, True)])
 def test_norm_prologue_matches_norm_then_linear(Ns, K, block_k, res, rnd):
     """HF's RMSNorm (of the residual add x + r) as the gemv kernel's prologue: groups of 1-3 weights, K not a
-    multiple of the block, the sum written in the add's dtype (fp32 residual stream + bf16 output, or bf16 + bf16),
+    multiple of the block (and multiples), the sum written in the add's dtype (fp32 residual stream + bf16 output, or bf16 + bf16),
     the norm's input rounded to the weights' dtype or not. bf16 weights; the interpreter rounds bf16 stores down, so
     the sum is compared within one bf16 step."""
     g = torch.Generator().manual_seed(K + block_k)

@@ -2,8 +2,9 @@
 before cuBLAS where the one-row kernel (the norm as the gemv's prologue) does not take the call (more rows).
 
 HF's RMSNorm (LlamaRMSNorm, MambaRMSNorm, DeepseekV2RMSNorm, ...): t = the norm's input, h = w * (t * rsqrt(mean(t^2)
-+ eps)).to(t.dtype). Here t = x, or s = x + r (in the add's result dtype, also returned), rounded to the output dtype
-first when ``round_input`` (HF's ``hidden.to(weight.dtype)`` before the norm of a model whose residual stream is fp32).
++ eps)).to(t.dtype). Here t = x, or s = x + r (in the add's result dtype, also returned), in the output dtype when
+``round_input`` (the norm reads the weights' dtype: HF's ``hidden.to(weight.dtype)`` before the norm of a model whose
+residual stream is fp32), else in fp32.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, e
     """-> (h in out_dtype, s = x + r or None): the reference, in torch ops."""
     s = None if r is None else x + r
     t = x if s is None else s
-    if round_input:
-        t = t.to(out_dtype)
+    t = t.to(out_dtype) if round_input else t.float()  # the norm's input: the weights' dtype, or fp32
     tf = t.float()
     h = w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
     return h.to(out_dtype), s

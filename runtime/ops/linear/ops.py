@@ -132,8 +132,8 @@ def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps:
                 weights: list[Tensor], bias: Optional[Tensor] = None) -> list[Tensor]:
     """HF's RMSNorm of x (or of the residual add s = x + residual), then the linears that read it (1-3 weights
     sharing the input; bias only with one): ``[F.linear(h, w_i, bias) ...]``, then s when residual is given.
-    h = norm_weight * (t * rsqrt(mean(t^2) + eps)).to(t.dtype) in the weights' dtype, t = s or x, rounded to the
-    weights' dtype first when round_input (norm.py). One row on CUDA: one launch, the norm (and the add) as the gemv
+    h = norm_weight * (t * rsqrt(mean(t^2) + eps)).to(t.dtype) in the weights' dtype, t = s or x in the weights'
+    dtype when round_input, else in fp32 (norm.py). One row on CUDA: one launch, the norm (and the add) as the gemv
     kernel's prologue; otherwise the norm kernel, then ``hybrid::linear`` / ``hybrid::linear_group``."""
     K = x.shape[-1]
     wdtype = weights[0].dtype
