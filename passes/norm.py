@@ -130,7 +130,6 @@ class FuseNorm:
     def _fuse(self, ctx: PassContext, lin: fx.Node, chain: list[fx.Node], region: Region) -> str | None:
         """Rewrite one norm + linear, or say why not."""
         graph = ctx.gm.graph
-        out = chain[-1]
         if any(len(n.users) != 1 for n in chain):
             return "its output is read by more than the linear"
         m = region.module
@@ -142,11 +141,12 @@ class FuseNorm:
         if weight is None or weight not in region.inputs or len(acts) != 1:
             return "cannot tell its input and weight apart"
         t = acts[0]
-        tv, wv = node_value(t), node_value(lin.args[1][0] if isinstance(lin.args[1], (list, tuple)) else lin.args[1])
+        weights = list(lin.args[1]) if isinstance(lin.args[1], (list, tuple)) else [lin.args[1]]
+        tv, wv = node_value(t), node_value(weights[0])
         if tv.dtype not in (wv.dtype, torch.float32):
             return f"its input is {tv.dtype}, neither the linear's {wv.dtype} nor fp32"
         from runtime.ops.linear.kernels import pick_config
-        Ns = [node_value(w).shape[0] for w in (lin.args[1] if isinstance(lin.args[1], (list, tuple)) else [lin.args[1]])]
+        Ns = [node_value(w).shape[0] for w in weights]
         if pick_config(1, Ns, wv.shape[1], norm=True) is None:
             return (f"the one-row prologue does not take its linear ({'+'.join(map(str, Ns))} x {wv.shape[1]}: an "
                     "lm_head-sized weight or K > 8192, where the norm kernel, then the dot kernel or cuBLAS, are faster)")
@@ -158,7 +158,6 @@ class FuseNorm:
         src = t.args[0] if _is_cast(t) and all(u in region for u in t.users) else t
         add = src if _is_add(src) else None
         x, residual = (add.args[0], add.args[1]) if add is not None else (src, None)
-        weights = lin.args[1] if isinstance(lin.args[1], (list, tuple)) else [lin.args[1]]
         bias = lin.args[2] if lin.target is torch.ops.hybrid.linear.default and len(lin.args) > 2 else None
         nodes = list(graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
@@ -174,7 +173,7 @@ class FuseNorm:
             return "a weight of its linear is computed after the norm's input"
         with graph.inserting_after(anchor):
             call = graph.call_function(torch.ops.hybrid.norm_linear.default,
-                                       (x, residual, weight, eps, tv.dtype != torch.float32, list(weights), bias))
+                                       (x, residual, weight, eps, tv.dtype != torch.float32, weights, bias))
         for p in late:  # frozen weights: get_attr nodes placed at their first use
             call.prepend(p)
         ys = node_value(lin)
