@@ -45,7 +45,12 @@ def _gate(x, z_ptrs, g_ptrs, ok):
     so the norm costs no pass of its own. h * g stays fp32 (HF rounds the normalised h and its product with g to
     the input dtype before the projection): the same function, more precise."""
     z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
-    h = x * silu(z)
+    return _weighted(x * silu(z), g_ptrs, ok)
+
+
+@triton.jit
+def _weighted(h, g_ptrs, ok):
+    """A norm prologue's two products: h * g feeds the dot, h^2 adds up to the row's mean square."""
     g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
     return h * g, h * h
 
@@ -63,8 +68,7 @@ def _norm_in(x, r_ptrs, s_ptrs, g_ptrs, ok, store, HAS_RES: tl.constexpr, ROUND:
         x = x.to(tl.float32)
     if ROUND:
         x = x.to(dtype).to(tl.float32)
-    g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return x * g, x * x
+    return _weighted(x, g_ptrs, ok)
 
 
 @triton.jit

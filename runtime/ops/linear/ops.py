@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..library import op_name, use_triton
-from .kernels import DTYPES, conv_config, linear_conv_triton, linear_triton, pick_config
+from .kernels import DTYPES, MAX_K, conv_config, linear_conv_triton, linear_triton, pick_config
 from .norm import add_rms_norm_ref, add_rms_norm_triton
 
 
@@ -146,7 +146,7 @@ def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps:
         ys = linear_triton(rows, weights, bias, norm=(norm_weight, eps, r, s, round_input))
         ys = [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
         return ys if s is None else ys + [s.view(x.shape)]
-    if use_triton(x) and norm_weight.stride(0) == 1 and K <= 8192:
+    if use_triton(x) and norm_weight.stride(0) == 1 and K <= MAX_K:  # the row kernel holds the row in registers
         h, s = add_rms_norm_triton(_rows(x), None if residual is None else _rows(residual), norm_weight, eps,
                                    round_input, wdtype)
         h = h.view(x.shape)
