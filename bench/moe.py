@@ -174,6 +174,8 @@ def bench_row(name: str, shape: dict, T: int, w13, w2, router_w, dtype, dev, imp
     row["route_ms"], _ = time_ms(lambda: kernels.route_triton(logits, None, **route_kw), graph=not args.no_graph)
     row["align_ms"], _ = time_ms(lambda: kernels.align_triton(ids, E, kernels.config_for(T, E, H, I, k)["BM"]),
                                  graph=not args.no_graph)
+    row["route_align_ms"], _ = time_ms(lambda: kernels.route_align_triton(
+        logits, None, **route_kw, block_m=kernels.config_for(T, E, H, I, k)["BM"]), graph=not args.no_graph)
     row["ours_ms"], row["ours_graphed"] = time_ms(ours, graph=not args.no_graph)
     row["full_ms"], _ = time_ms(lambda: kernels.moe_triton(
         x, router_w, None, w13, w2, **route_kw, gated=True, interleaved=False, activation="silu", router_fp32=False),
@@ -195,7 +197,8 @@ def bench_row(name: str, shape: dict, T: int, w13, w2, router_w, dtype, dev, imp
     row["tbps"] = nbytes / row["ours_ms"] / 1e9
     hf_txt = ", ".join(f"{i} {ms:.3f}" for i, ms in row["hf"].items())
     log(f"  {name} T={T}: ours {row['ours_ms']:.3f} ms ({row['pct_roofline']:.0f}% of roofline {floor_ms:.3f}), "
-        f"route {row['route_ms']:.4f}, align {row['align_ms']:.4f}, full {row['full_ms']:.3f}; HF: {hf_txt}")
+        f"route {row['route_ms']:.4f}, align {row['align_ms']:.4f}, route+align {row['route_align_ms']:.4f}, "
+        f"full {row['full_ms']:.3f}; HF: {hf_txt}")
     del mod
     return row
 

@@ -105,8 +105,14 @@ def test_align_invariants(case):
     ids = random_ids(T, k, E, pattern)
     if T == 300:
         ids = ids.long()  # HF hands int64 ids
-    sorted_ids, block_expert, num_post = kernels.align_triton(ids, E, bm, path=path)
-    N = T * k
+    check_layout(ids, E, bm, kernels.align_triton(ids, E, bm, path=path))
+
+
+def check_layout(ids, E, bm, layout):
+    """align's contract: each pair once in its expert's segment (stable), segments padded to bm with the
+    sentinel, block experts, -1 past the end."""
+    sorted_ids, block_expert, num_post = layout
+    N = ids.numel()
     max_padded = N + E * (bm - 1)
     assert sorted_ids.shape == (max_padded,) and sorted_ids.dtype == torch.int32
     assert block_expert.shape == (math.ceil(max_padded / bm),) and num_post.shape == (1,)
@@ -127,6 +133,21 @@ def test_align_invariants(case):
             assert starts[e] <= b * bm < starts[e] + padded[e]
         else:
             assert block_expert[b].item() == -1
+
+
+@pytest.mark.parametrize("method", reference.METHODS)
+@pytest.mark.parametrize("T, E, k, bm", [(1, 6, 2, 16), (1, 64, 6, 16), (37, 10, 3, 4), (300, 6, 2, 16)])
+def test_route_align_in_one_launch_equals_route_then_align(method, T, E, k, bm):
+    """One program routes every row (several row blocks at T=37, 300) and aligns every pair (several chunks at
+    T=300): the same weights and ids as route_triton, the same layout as align_triton."""
+    kw = dict(method=method, top_k=k, renormalize=True, scale=1.5, n_group=2, topk_group=1)
+    logits, bias = randn(T, E), randn(E) if method == "sigmoid_group_topk" else None
+    weights, ids, layout = kernels.route_align_triton(logits, bias, **kw, block_m=bm)
+    ref_w, ref_i = kernels.route_triton(logits, bias, **kw)
+    assert torch.equal(ids, ref_i) and torch.equal(weights, ref_w)
+    check_layout(ids, E, bm, layout)
+    for got, want in zip(layout, kernels.align_triton(ref_i, E, bm)):
+        assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -320,6 +341,27 @@ def test_ops_match_reference(triton_on_cpu, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared", ["none", "plain", "gated"])
+def test_moe_block_adds_the_shared_expert_in_the_combine(shared, monkeypatch):
+    """hybrid::moe_block on the Triton path (the shared add inside the combine kernel) vs the routed experts'
+    reference plus the (gated) shared output; leading dims [2, 3] flattened, T=1 (route + align in one launch)."""
+    if DEV == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the Triton interpreter")
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    from runtime.ops.moe.block import moe_block
+    for lead in ((2, 3), (1,)):
+        x, rw, b, w13, w2 = _op_inputs(T=math.prod(lead))
+        x = x.view(*lead, -1)
+        sh = randn(*x.shape) if shared != "none" else None
+        gate = randn(*lead, 1) if shared == "gated" else None
+        out = moe_block(x, rw, b, w13, w2, sh, gate, **OP_KW)
+        ref = reference.moe(x.view(-1, x.shape[-1]), rw, b, w13, w2, **OP_KW).view(x.shape)
+        if sh is not None:
+            ref = ref + (sh if gate is None else torch.sigmoid(gate) * sh)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_opcheck():
     x, rw, b, w13, w2 = _op_inputs(T=5, E=4)
     args = (x, rw, b, w13, w2, "sigmoid_group_topk", 2, True, 2.5, 2, 1, True, False, "silu", True)
@@ -382,7 +424,7 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     reports = json.loads(out.read_text())
     names = {r["kernel"] for r in reports}
-    assert {"_route_kernel", "_align_single_kernel", "_align_scatter_kernel", "_gate_up_kernel", "_down_kernel",
+    assert {"_route_align_kernel", "_route_kernel", "_align_scatter_kernel", "_gate_up_kernel", "_down_kernel",
             "_combine_kernel"} <= names
     for r in reports:
         if r["kernel"] in ("_gate_up_kernel", "_down_kernel"):

@@ -2,7 +2,8 @@
 
 routed experts (``hybrid::moe``) on x of any leading shape, plus the block's shared expert output when it
 has one, optionally gated by ``sigmoid(shared_gate)`` (Qwen2-MoE / Qwen3-Next style). The shared expert
-itself stays in the graph (plain dense MLP: Inductor's job); only its output comes in.
+itself stays in the graph (plain dense MLP: Inductor's job); only its output comes in. On the GPU the add runs
+in the experts' combine kernel (no launch of its own), rounded once.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from ..library import op_name
+from ..library import op_name, use_triton
+from . import kernels
 
 
 @triton_op(op_name("moe_block"), mutates_args={})
@@ -22,6 +24,13 @@ def _moe_block(x: Tensor, router_w: Tensor, router_bias: Optional[Tensor], w13: 
                router_fp32: bool) -> Tensor:
     """x [..., H] -> [..., H] x.dtype; shared [..., H] | None; shared_gate [..., 1] | None."""
     flat = x.reshape(-1, x.shape[-1])
+    if use_triton(x) and (shared is None or shared.dtype == x.dtype):  # the shared add in the experts' combine
+        sh = None if shared is None else (shared.reshape(flat.shape).contiguous(),
+                                          None if shared_gate is None else shared_gate.reshape(-1, 1))
+        return kernels.moe_triton(flat, router_w, router_bias, w13, w2, method=method, top_k=top_k,
+                                  renormalize=renormalize, scale=scale, n_group=n_group, topk_group=topk_group,
+                                  gated=gated, interleaved=interleaved, activation=activation,
+                                  router_fp32=router_fp32, shared=sh).view(x.shape)
     out = torch.ops.hybrid.moe(flat, router_w, router_bias, w13, w2, method, top_k, renormalize, scale, n_group,
                                topk_group, gated, interleaved, activation, router_fp32).view(x.shape)
     if shared is not None:  # may come flattened ([T, H]) when the block reshaped x before the shared expert

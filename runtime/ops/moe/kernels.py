@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..library import interpreting
+from ..library import interpreting, size_hint
 from .reference import ACTIVATIONS, METHODS, check_route_args
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,9 +208,37 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le,
                   E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                   METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
-    # METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, stride_lt, stride_le, scale, E, EP, TOP_K,
+                KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T,
+                        stride_lt, stride_le, scale, MAX_PADDED, MAX_BLOCKS,
+                        E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                        METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BM: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr):
+    """Decode's routing in one launch: route every row (BLOCK_T at a time), then align the T * k pairs from the
+    ids this program just wrote; the barrier makes every thread's id stores visible to the loads that follow.
+    Correct at any T; chosen at a few tokens (``route_align_triton``), where the route and align launches were
+    two kernels of about 2-3 us each in a 40 us MoE layer (DeepSeek-V2-Lite shape, B=1, H200)."""
+    for row0 in range(0, T, BLOCK_T):
+        _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, E, EP, TOP_K, KP,
+                    METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+    tl.debug_barrier()
+    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T * TOP_K, MAX_PADDED, MAX_BLOCKS, E, EP, BM,
+                 BLOCK, TAIL, BB)
+
+
+@triton.jit
+def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale,
+                E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rows [row0, row0 + BLOCK_T) of logits [T, E] -> weights fp32 / ids int32 [T, TOP_K].
+    METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk."""
+    rows = row0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     rmask = rows < T
     cmask = cols < E
@@ -291,29 +319,65 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le,
     tl.store(ids_ptr + offs, id_acc, mask=omask)
 
 
-def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int, renormalize: bool,
-                 scale: float, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); same contract as reference.route."""
+def _route_launch(logits: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, renormalize: bool,
+                  scale: float, n_group: int, topk_group: int):
+    """(weights, ids, kernel arguments, kernel constexprs, block_t) shared by the two routing launchers."""
     assert logits.dim() == 2, f"logits must be [T, E], got {tuple(logits.shape)}"
     T, E = logits.shape[0], int(logits.shape[1])
     top_k, n_group, topk_group = int(top_k), int(n_group), int(topk_group)  # schema ints arrive as SymInt-able
     check_route_args(E, method, top_k, n_group, topk_group)
+    if bias is not None:
+        assert bias.shape == (E,), f"bias must be [E]={E}, got {tuple(bias.shape)}"
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
-    if T == 0:
-        return weights, ids
     EP = triton.next_power_of_2(E)
     # few tokens: a small tile in one warp (its reductions stay in the warp: 2x faster at decode)
     block_t = max(2, min(32, 2048 // EP, _pow2_at_least(bucket_for(T))))
     grouped = method.endswith("group_topk")
-    if bias is not None:
-        assert bias.shape == (E,), f"bias must be [E]={E}, got {tuple(bias.shape)}"
+    args = (logits, bias if bias is not None else logits, weights, ids)
+    meta = dict(E=E, EP=EP, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)), METHOD=_METHOD_ID[method],
+                RENORM=bool(renormalize), HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
+                TOPK_GROUP=topk_group if grouped else 1, BLOCK_T=block_t,
+                num_warps=max(1, min(4, block_t * EP // 512)))
+    return weights, ids, args, meta, block_t
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int, renormalize: bool,
+                 scale: float, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); same contract as reference.route."""
+    weights, ids, args, meta, block_t = _route_launch(logits, bias, method, top_k, renormalize, scale, n_group,
+                                                      topk_group)
+    T = logits.shape[0]
+    if T == 0:
+        return weights, ids
     _launch(_route_kernel)[(triton.cdiv(T, block_t),)](
-        logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0), logits.stride(1),
-        float(scale), E=E, EP=EP, TOP_K=top_k, KP=max(2, triton.next_power_of_2(top_k)), METHOD=_METHOD_ID[method],
-        RENORM=bool(renormalize), HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
-        TOPK_GROUP=topk_group if grouped else 1, BLOCK_T=block_t, num_warps=max(1, min(4, block_t * EP // 512)))
+        *args, T, logits.stride(0), logits.stride(1), float(scale), **meta)
     return weights, ids
+
+
+#: route and align in one launch (``route_align_triton``) up to this many tokens (a bucket bound: the kernel is
+#: correct at any T, one program routes them all)
+ROUTE_ALIGN_MAX_T = 16
+
+
+def route_align_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int,
+                       renormalize: bool, scale: float, n_group: int, topk_group: int, block_m: int):
+    """``route_triton`` then ``align_triton(ids, E, block_m)`` in one single-program launch (decode: a few
+    tokens) -> (weights, ids, (sorted_token_ids, block_expert_ids, num_tokens_post_padded))."""
+    weights, ids, args, meta, _ = _route_launch(logits, bias, method, top_k, renormalize, scale, n_group, topk_group)
+    T, E = logits.shape[0], int(logits.shape[1])
+    N = T * int(top_k)
+    max_padded, max_blocks, _ = align_sizes(N, E, block_m)
+    dev = logits.device
+    layout = (torch.empty(max_padded, dtype=torch.int32, device=dev),
+              torch.empty(max_blocks, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev))
+    if T == 0:
+        return weights, ids, layout
+    block = max(16, min(256, _pow2_at_least(size_hint(N))))
+    _launch(_route_align_kernel)[(1,)](
+        *args, *layout, T, logits.stride(0), logits.stride(1), float(scale), max_padded, max_blocks, **meta,
+        BM=block_m, BLOCK=block, TAIL=1024, BB=64)
+    return weights, ids, layout
 
 
 #: the router GEMM runs in Triton up to this many tokens and weight elements (E * H): one kernel of [16 tokens x
@@ -410,11 +474,24 @@ def _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PAD
 def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS,
                          E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
                          TAIL: tl.constexpr, BB: tl.constexpr):
-    offs, valid, onehot = _chunk_onehot(ids_ptr, 0, N, BLOCK, EP)
-    counts = tl.sum(onehot, axis=0)
-    starts = _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PADDED, MAX_BLOCKS,
-                           E, EP, BM, TAIL, BB)
-    _scatter_chunk(sorted_ptr, offs, valid, onehot, starts)
+    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS, E, EP, BM, BLOCK,
+                 TAIL, BB)
+
+
+@triton.jit
+def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS,
+                 E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
+                 TAIL: tl.constexpr, BB: tl.constexpr):
+    """All N pairs in one program, BLOCK at a time: count, lay out, scatter (in order: a stable sort)."""
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for c0 in range(0, N, BLOCK):
+        counts += tl.sum(_chunk_onehot(ids_ptr, c0, N, BLOCK, EP)[2], axis=0)
+    running = _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PADDED, MAX_BLOCKS,
+                            E, EP, BM, TAIL, BB)
+    for c0 in range(0, N, BLOCK):
+        offs, valid, onehot = _chunk_onehot(ids_ptr, c0, N, BLOCK, EP)
+        _scatter_chunk(sorted_ptr, offs, valid, onehot, running)
+        running += tl.sum(onehot, axis=0)
 
 
 @triton.jit
@@ -640,9 +717,11 @@ def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_po
 
 
 @triton.jit
-def _combine_kernel(buf_ptr, out_ptr, N, stride_bs, stride_bp, stride_ot,
-                    TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr):
-    """out[t] = sum_{split, j} buf[split, t*k + j] (fixed order: deterministic)."""
+def _combine_kernel(buf_ptr, out_ptr, shared_ptr, gate_ptr, N, stride_bs, stride_bp, stride_ot, stride_st, stride_gt,
+                    TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    HAS_GATE: tl.constexpr):
+    """out[t] = sum_{split, j} buf[split, t*k + j] (fixed order: deterministic), plus the block's shared-expert
+    output [T, N] (times sigmoid(gate[t]) with HAS_GATE) when given: one rounding where the block had two."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = offs < N
@@ -651,6 +730,11 @@ def _combine_kernel(buf_ptr, out_ptr, N, stride_bs, stride_bp, stride_ot,
         for j in tl.static_range(TOP_K):
             acc += tl.load(buf_ptr + s * stride_bs + (t * TOP_K + j) * stride_bp + offs, mask=ok, other=0.0
                            ).to(tl.float32)
+    if HAS_SHARED:
+        sh = tl.load(shared_ptr + t * stride_st + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            sh = sh / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gt).to(tl.float32)))
+        acc += sh
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -672,8 +756,11 @@ def _check_experts_args(x, w13, w2, weights, ids, gated, activation):
 
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   *, gated: bool, interleaved: bool, activation: str, config: dict | None = None) -> torch.Tensor:
-    """Same contract as reference.experts. ``config`` overrides ``config_for`` (tests, tuning)."""
+                   *, gated: bool, interleaved: bool, activation: str, config: dict | None = None,
+                   layout: tuple | None = None, shared: tuple | None = None) -> torch.Tensor:
+    """Same contract as reference.experts. ``config`` overrides ``config_for`` (tests, tuning); ``layout``:
+    ``align_triton(ids, E, config BM)``'s result when the caller has it (``route_align_triton``); ``shared`` =
+    (shared-expert output [T, H], gate [T, 1] | None): added to the result (``hybrid::moe_block``)."""
     T, H, E, I, top_k = _check_experts_args(x, w13, w2, weights, ids, gated, activation)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
@@ -685,7 +772,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
             min(bucket_for(T), 1 << 20), E, H, I, top_k, cfg)}}
     BM, up, down = cfg["BM"], cfg["up"], cfg["down"]
     num_pairs = T * top_k
-    sorted_ids, block_expert, num_post = align_triton(ids, E, BM)
+    sorted_ids, block_expert, num_post = layout if layout is not None else align_triton(ids, E, BM)
     max_padded, _, grid_m = align_sizes(num_pairs, E, BM)
     out_dtype = x.dtype
     if x.dtype != w13.dtype:  # e.g. fp32 activations under autocast with bf16 experts: compute in the weights' dtype
@@ -717,23 +804,35 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
     assert out.stride(1) == 1
     bn = min(1024, triton.next_power_of_2(H))
+    sh, gate = shared if shared is not None else (None, None)
+    assert sh is None or (sh.shape == (T, H) and sh.stride(1) == 1), "shared: [T, H], rows contiguous"
+    assert gate is None or gate.shape == (T, 1), "shared gate: [T, 1]"
     _launch(_combine_kernel)[(T, triton.cdiv(H, bn))](
-        buf, out, H, buf.stride(0), buf.stride(1), out.stride(0), TOP_K=top_k, SPLIT_K=split, BN=bn, num_warps=4)
+        buf, out, sh if sh is not None else out, gate if gate is not None else out, H, buf.stride(0), buf.stride(1),
+        out.stride(0), sh.stride(0) if sh is not None else 0, gate.stride(0) if gate is not None else 0,
+        TOP_K=top_k, SPLIT_K=split, BN=bn, HAS_SHARED=sh is not None, HAS_GATE=gate is not None, num_warps=4)
     return out
 
 
 def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
                w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
                topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
-               config: dict | None = None) -> torch.Tensor:
-    """Route + align + experts; same contract as reference.moe."""
+               config: dict | None = None, shared: tuple | None = None) -> torch.Tensor:
+    """Route + align + experts; same contract as reference.moe, plus ``shared`` as in ``experts_triton``."""
     if use_router_gemm(x.shape[0], router_w.shape[0], x.shape[1], (x.dtype, router_w.dtype)):
         logits = router_logits_triton(x, router_w, router_fp32)
     elif router_fp32:
         logits = F.linear(x.float(), router_w.float())
     else:
         logits = F.linear(x, router_w.to(x.dtype))
-    weights, ids = route_triton(logits, router_bias, method=method, top_k=top_k, renormalize=renormalize,
-                                scale=scale, n_group=n_group, topk_group=topk_group)
+    route = dict(method=method, top_k=top_k, renormalize=renormalize, scale=scale, n_group=n_group,
+                 topk_group=topk_group)
+    if bucket_for(x.shape[0]) <= ROUTE_ALIGN_MAX_T:
+        T, H = x.shape
+        I = w2.shape[2]
+        bm = (config or config_for(T, int(w2.shape[0]), int(H), int(I), int(top_k), w13.element_size()))["BM"]
+        weights, ids, layout = route_align_triton(logits, router_bias, **route, block_m=bm)
+    else:
+        (weights, ids), layout = route_triton(logits, router_bias, **route), None
     return experts_triton(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation,
-                          config=config)
+                          config=config, layout=layout, shared=shared)
