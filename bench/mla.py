@@ -397,16 +397,7 @@ def compile_check() -> None:
                  if sig[n].startswith("*") or (sig[n] == "i32" and ints.get(n, 1) % 16 == 0 and ints.get(n))}
         k = triton.compile(ASTSource(kernels._mla_attn_kernel, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=w, num_stages=st))
-        info = ""
-        if ptxas is not None:
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(k.asm["ptx"])
-            info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                                  capture_output=True, text=True).stderr
-        regs = re.search(r"Used (\d+) registers", info)
-        spill = re.search(r"(\d+) bytes spill stores", info)
-        return (f"regs {regs.group(1) if regs else '?'} spills {spill.group(1) if spill else '?'} B smem "
-                f"{k.metadata.shared} B {'wgmma' if 'wgmma' in k.asm['ptx'] else 'mma.sync'}")
+        return ptxas_info(ptxas, k)
 
     for regime, H in (("decode_small_h", 16), ("decode_large_h", 128)):
         kernel_cfgs = {(c["block_h"], c["block_n"], c["num_warps"], c["num_stages"]) for c in tune_candidates(regime, False)[0]}
@@ -417,6 +408,29 @@ def compile_check() -> None:
                 log(f"{regime} bh={bh} bn={bn} warps={w} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
     c = kernels.CONFIGS["prefill"]
     log(f"prefill {c}: {one(16, 1, c['block_m'] // c['block_h'], c['block_h'], c['block_n'], c['num_warps'], c['num_stages'], True, False)}")
+    for kern, cfg in ((kernels._mla_merge_kernel, kernels.CONFIGS["merge"]),
+                      (kernels._mla_merge_uv_kernel, kernels.CONFIGS["merge_uv"])):
+        ptrs = dict(PO="*fp32", PLSE="*fp32", O="*bf16", W="*bf16")
+        cx = dict(BLOCK_L=L, BLOCK_S=16, BV=cfg.get("block_v", 16))
+        sig = {n: "constexpr" if n in cx else ptrs.get(n, "i32") for n in kern.arg_names}
+        cx = {n: v for n, v in cx.items() if n in kern.arg_names}
+        k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg["num_warps"]))
+        log(f"{kern.fn.__name__} {cfg}: {ptxas_info(ptxas, k)}")
+
+
+def ptxas_info(ptxas, k) -> str:
+    """Registers, spills, shared memory and the dot instruction of a compiled kernel (ptxas -v when present)."""
+    info = ""
+    if ptxas is not None:
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    return (f"regs {regs.group(1) if regs else '?'} spills {spill.group(1) if spill else '?'} B smem "
+            f"{k.metadata.shared} B {'wgmma' if 'wgmma' in k.asm['ptx'] else 'mma.sync'}")
 
 
 # ------------------------------------------------------------------------------------------------ main

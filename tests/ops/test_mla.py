@@ -335,16 +335,20 @@ def test_absorbed_drop_in_reproduces_hf(family, impl, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- engine decode
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", "triton", "triton-uv-after-merge"])
 def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
     """hybrid::mla_attention_paged (pages read in place) = hybrid::mla_attention over what
     hybrid::paged_gather returns for the engine's left-padded gather map and mask; 3 heads, block size 4,
-    lengths 1 / 6 / 17 across block boundaries, blocks shuffled, one padding row of the reserved block 0."""
-    from runtime.ops.mla import paged  # noqa: F401
+    lengths 1 / 6 / 17 across block boundaries, blocks shuffled, one padding row of the reserved block 0.
+    "triton": W_UV applied by the merge kernel (4 rows, V = 12 over 16-column tiles); "triton-uv-after-merge": the
+    batched matmul after the merge, as above uv_max_batch rows."""
+    from runtime.ops.mla import kernels, paged  # noqa: F401
     from runtime.ops.mla.dropin import mla_attention
     from runtime.ops.mla.paged import mla_attention_paged
-    if impl == "triton":
+    if impl != "ref":
         _triton_ops(monkeypatch)
+        uv_max = 4 if impl == "triton" else 0
+        monkeypatch.setitem(kernels.CONFIGS, "merge_uv", {**kernels.CONFIGS["merge_uv"], "uv_max_batch": uv_max})
     g = torch.Generator().manual_seed(4)
     H, P, R, V, L, bs = 3, 16, 8, 12, 32, 4
     lengths = [1, 6, 17, 1]                                              # the last row is bucket padding

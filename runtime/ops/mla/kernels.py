@@ -50,6 +50,10 @@ CONFIGS = {
     "prefill": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "dense": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "merge": dict(num_warps=4, block_s=16),  # block_s: partials per load ([16, 512] fp32 over 4 warps)
+    # the merge with W_UV (decode at up to uv_max_batch sequences): block_v output columns per program, so
+    # B=1 at 16 heads runs 128 programs, each reading a [16, 512] tile of W_UV; above uv_max_batch each W_UV
+    # tile would be reread per sequence: the batched matmul after the merge
+    "merge_uv": dict(num_warps=4, block_v=16, uv_max_batch=4),
     # paged keys: block ids are read a window of this many keys at a time (one load per window, not per tile)
     "window_keys": 1024,
     # split-KV (choose_num_splits): keep >= min_tokens keys per split so the fp32 partials (H*L*4 bytes per
@@ -282,14 +286,10 @@ def _mla_attn_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
-    """One program per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), BLOCK_S splits
-    per load (one split at a time made 2 x NUM_SPLITS dependent round trips). Splits with lse = -inf (no
-    keys) are skipped without reading their (unwritten) partials."""
-    pid = tl.program_id(0)
-    n = pid // H
-    h = pid % H
+def _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Row ``pid``'s output [BLOCK_L] fp32: sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), BLOCK_S splits per
+    load (one split at a time made 2 x NUM_SPLITS dependent round trips). Splits with lse = -inf (no keys) are
+    skipped without reading their (unwritten) partials."""
     offs = tl.arange(0, BLOCK_L)
     offs_s = tl.arange(0, BLOCK_S)
     base = pid.to(tl.int64) * NUM_SPLITS
@@ -308,10 +308,39 @@ def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BL
                      mask=live[:, None] & (offs < L)[None, :], other=0.0)
         acc += tl.sum(w[:, None] * po, 0)
         den += tl.sum(w, 0)
-    den = tl.where(den == 0.0, 1.0, den)
+    return acc / tl.where(den == 0.0, 1.0, den)
+
+
+@triton.jit
+def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    """One program per (token, head): the merged o_lat row."""
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    offs = tl.arange(0, BLOCK_L)
+    o = _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L, BLOCK_S)
     b = (n // T_OUT).to(tl.int64)
     t = (n % T_OUT).to(tl.int64)
-    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs, (acc / den).to(O.dtype.element_ty), mask=offs < L)
+    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs, o.to(O.dtype.element_ty), mask=offs < L)
+
+
+@triton.jit
+def _mla_merge_uv_kernel(PO, PLSE, W, O, H, L, V, NUM_SPLITS, s_wh, s_wv, s_ob, s_oh, BLOCK_L: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BV: tl.constexpr):
+    """Decode at a few sequences: the merge, then W_UV, in one launch. Program (token x head, BV columns of V):
+    out[n, h, v] = sum_l round(o_lat[n, h, l]) * W_UV[h, v, l], o_lat rounded to the output dtype as the unfused
+    path stores it; fp32 products and sum. The W_UV tile's load does not wait for the partials."""
+    pid = tl.program_id(0)
+    n = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    offs = tl.arange(0, BLOCK_L)
+    w = tl.load(W + h * s_wh + offs_v[:, None] * s_wv + offs[None, :],
+                mask=(offs_v < V)[:, None] & (offs < L)[None, :], other=0.0)
+    o = _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L, BLOCK_S).to(O.dtype.element_ty).to(tl.float32)
+    y = tl.sum(w.to(tl.float32) * o[None, :], 1)
+    tl.store(O + n * s_ob + h * s_oh + offs_v, y.to(O.dtype.element_ty), mask=offs_v < V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,12 +348,13 @@ def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BL
 # ----------------------------------------------------------------------------------------------
 def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, bt, seq, qsl, mask,
             mask_strides, causal, q_strides_l, q_strides_r, H, T, S, nseq, grid_tiles, t_scr, t_out,
-            n_scr_tokens, scale, bq, bh, num_splits, cfg):
+            n_scr_tokens, scale, bq, bh, num_splits, cfg, w_uv=None):
+    """w_uv (decode only): W_UV [H, V, L] (last dim contiguous) applied in the merge; ``out`` is then [B, H, V]."""
     L, R = q_lat.shape[-1], q_rope.shape[-1]
     head_blocks = triton.cdiv(H, bh)
     if kl.dtype == torch.float32 and kl.is_cuda:           # fp32 dots are CUDA-core FMAs: smaller key tiles
         cfg = {**cfg, "block_n": min(cfg["block_n"], 16)}  # (block_n 64 spills ~3 KB on sm_90)
-    split = num_splits > 1
+    split = num_splits > 1 or w_uv is not None
     if split:
         po = torch.empty((n_scr_tokens * H * num_splits * L,), device=q_lat.device, dtype=torch.float32)
         plse = torch.empty((n_scr_tokens * H * num_splits,), device=q_lat.device, dtype=torch.float32)
@@ -346,11 +376,16 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
         BLOCK_L=_pow2(L), BLOCK_R=_pow2(R), WIN=_window_pages(page, cfg["block_n"]), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if split:
+    block_s = min(triton.next_power_of_2(num_splits), CONFIGS["merge"]["block_s"])
+    if w_uv is not None:
+        V, bv = w_uv.shape[1], CONFIGS["merge_uv"]["block_v"]
+        wrap_triton(_mla_merge_uv_kernel)[(n_scr_tokens * H, triton.cdiv(V, bv))](
+            po, plse, w_uv, out, H, L, V, num_splits, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
+            BLOCK_L=_pow2(L), BLOCK_S=block_s, BV=bv, num_warps=CONFIGS["merge_uv"]["num_warps"])
+    elif split:
         wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
             po, plse, out, H, L, num_splits, t_out, *_out_strides(out, mode),
-            BLOCK_L=_pow2(L), BLOCK_S=min(triton.next_power_of_2(num_splits), CONFIGS["merge"]["block_s"]),
-            num_warps=CONFIGS["merge"]["num_warps"],
+            BLOCK_L=_pow2(L), BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"],
         )
     return out
 
@@ -379,9 +414,11 @@ def _check_cache(cache, block_table, L, R):
 
 
 def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float, num_splits: int = 0,
-                      config: dict | None = None) -> torch.Tensor:
+                      config: dict | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """q_lat [B, H, L], q_rope [B, H, R], cache [NB, BS, L+R], block_table [B, MB] int32,
-    seq_lens [B] int32 -> o_lat [B, H, L] (q dtype). num_splits 0 = automatic (shapes only)."""
+    seq_lens [B] int32 -> o_lat [B, H, L] (q dtype). num_splits 0 = automatic (shapes only).
+    w_uv: W_UV [H, V, L] -> the absorbed output o_lat @ W_UV^T [B, H, V] instead (o_lat rounded to q's dtype
+    first, as ``reference.unabsorb_out`` of this op's o_lat), from the merge kernel."""
     B, H, L = q_lat.shape
     R = q_rope.shape[-1]
     _check_cache(cache, block_table, L, R)
@@ -391,7 +428,9 @@ def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float,
     if num_splits <= 0:
         num_splits = choose_num_splits(B * triton.cdiv(H, bh), block_table.shape[1] * page, cfg["block_n"],
                                        cfg.get("per_sm", 1))
-    out = torch.empty((B, H, L), device=q_lat.device, dtype=q_lat.dtype)
+    assert w_uv is None or (w_uv.shape[0] == H and w_uv.shape[2] == L and w_uv.stride(2) == 1
+                            and w_uv.dtype == q_lat.dtype), "w_uv must be [H, V, L] in q's dtype, rows contiguous"
+    out = torch.empty((B, H, L if w_uv is None else w_uv.shape[1]), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0:
         return out
     return _launch(
@@ -401,7 +440,7 @@ def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float,
         q_strides_l=(q_lat.stride(0), 0, q_lat.stride(1), q_lat.stride(2)),
         q_strides_r=(q_rope.stride(0), 0, q_rope.stride(1), q_rope.stride(2)),
         H=H, T=1, S=0, nseq=B, grid_tiles=B, t_scr=1, t_out=1, n_scr_tokens=B, scale=scale,
-        bq=bq, bh=bh, num_splits=num_splits, cfg=cfg)
+        bq=bq, bh=bh, num_splits=num_splits, cfg=cfg, w_uv=w_uv)
 
 
 def mla_prefill_triton(q_lat, q_rope, cache, block_table, seq_lens, query_start_loc, scale: float,

@@ -9,7 +9,8 @@ of the buffer; ``gather_idx`` lists the same rows, and the step's attention mask
 
 The MLA pass (passes/mla.py), when a one-token decode's latent and rope key come straight from this op,
 emits ``hybrid::mla_attention_paged`` instead of ``hybrid::mla_attention``: W_UK absorbed into the query,
-split-KV ``hybrid::mla_decode`` over the pages in place, W_UV applied to the output. The gather (a copy of
+split-KV ``hybrid::mla_decode`` over the pages in place, W_UV applied to the output (by the split-KV merge
+kernel itself at up to ``CONFIGS["merge_uv"]["uv_max_batch"]`` sequences, kernels.py). The gather (a copy of
 every cached token, then read again) disappears from the graph; each cached token's L + R values are read
 once. The attention mask is not read: by the contract above it says what seq_lens says. The engine's tests hold
 the contract to account end to end (greedy tokens equal HF generate's through this op, tests/test_engine.py).
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from ..library import op_name
+from ..library import op_name, size_hint, use_triton
+from . import kernels
 from .dropin import _per_head_matmul
 
 
@@ -54,6 +56,10 @@ def _mla_attention_paged(q_nope: Tensor, q_rope: Tensor, buf: Tensor, block_tabl
     w_uk, w_uv = w[:, :p], w[:, p:]
     q_lat = _per_head_matmul(q_nope, w_uk)[:, :, 0]  # [B, H, L]
     cache = buf.view(-1, block_size, buf.shape[-1])  # [blocks, block_size, L + R]
+    if use_triton(q_nope) and size_hint(b) <= kernels.CONFIGS["merge_uv"]["uv_max_batch"] \
+            and w_uv.dtype == q_nope.dtype and w_uv.stride(2) == 1:  # W_UV in the merge kernel (one launch less)
+        return kernels.mla_decode_triton(q_lat, q_rope[:, :, 0], cache, block_table, seq_lens, scale,
+                                         w_uv=w_uv)[:, :, None]
     o_lat = torch.ops.hybrid.mla_decode(q_lat, q_rope[:, :, 0], cache, block_table, seq_lens, scale, 0)
     return _per_head_matmul(o_lat[:, :, None].to(q_nope.dtype), w_uv.transpose(-1, -2))  # [B, H, 1, V]
 
