@@ -24,6 +24,7 @@ from .allocator import BlockAllocator
 from .cache import PagedCache
 from .sampler import greedy_ids, sample
 from .scheduler import Step
+from .step_maps import device_step_maps, step_maps
 
 
 # cuDNN attention's meta function fails on symbolic shapes (dynamic=True graphs, torch 2.11 on the H200):
@@ -72,10 +73,8 @@ class ModelRunner:
             model.config._attn_implementation = attention.NAME
             self.bool_mask = True
         self.forward = self._compiled(model, compile, freeze_weights, compile_options)
-        # the step's cache maps: a dozen small integer ops, fused into one or two kernels when Inductor is in use;
-        # at most four graphs (decode / prefill of one token or more x with / without paged-MHA maps)
-        self._maps = (compiled_step_maps() if compile in ("hybrid", "hybrid-cudagraphs") and self.device.type == "cuda"
-                      else step_maps)
+        # the step's cache maps: a dozen small integer ops, one Triton kernel on the GPU (step_maps.py)
+        self._maps = device_step_maps() if self.device.type == "cuda" else step_maps
         self.mask_keys = self._mask_keys(model.config)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
@@ -388,50 +387,6 @@ class ModelRunner:
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra
-
-
-def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, bs: int, kv_heads: int):
-    """The cache maps of a step from its block table [B, width / bs] and left padding [B]: (gather_idx [B, width]
-    flat cache rows of every key (0 for padding), write slots [B * q_len] (a row's own tokens are its last q_len
-    keys), key validity [B, width], keys per row int32 [B], the table as int32, and, when ``kv_heads`` > 0, the
-    paged MHA decode maps of attention.decode_maps)."""
-    arange = torch.arange(width, device=table.device)[None, :]
-    pos = arange - pads[:, None]  # [B, width]; < 0 is padding
-    keep = pos >= 0
-    pos = pos.clamp(min=0)
-    gather_idx = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0)
-    writes = gather_idx[:, width - q_len:].reshape(-1)
-    lengths = width - pads
-    mha_maps = None
-    if kv_heads:  # valid keys first
-        key = arange.expand(table.shape[0], width)
-        slots = torch.where(key < lengths[:, None], table.gather(1, key // bs) * bs + key % bs, 0)
-        mha_maps = attention.decode_maps(slots, lengths, kv_heads)
-    return gather_idx, writes, keep, lengths.to(torch.int32), table.to(torch.int32), mha_maps
-
-
-def compiled_step_maps(backend="inductor"):
-    """step_maps compiled once for every batch and width: the batch and block-count dims are unbacked (no 0/1
-    specialisation), so at most four graphs exist (one token or more x with / without paged-MHA maps). Should
-    compiling fail on some stack, the maps run eagerly from then on (slower, same values) and a warning says why."""
-    compiled = torch.compile(step_maps, dynamic=True, backend=backend)
-    eager = []
-
-    def run(table, pads, *args):
-        if eager:
-            return step_maps(table, pads, *args)
-        for t, dims in ((table, (0, 1)), (pads, (0,))):
-            for d in dims:
-                torch._dynamo.decorators.mark_unbacked(t, d)
-        try:
-            return compiled(table, pads, *args)
-        except Exception as e:  # noqa: BLE001  (a compiler failure must not stop generation)
-            import warnings
-            warnings.warn(f"hybrid engine: compiling the step's cache maps failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); they run eagerly", stacklevel=2)
-            eager.append(True)
-            return step_maps(table, pads, *args)
-    return run
 
 
 def _frozen(compiled):
