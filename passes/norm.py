@@ -130,8 +130,10 @@ class FuseNorm:
     def _fuse(self, ctx: PassContext, lin: fx.Node, chain: list[fx.Node], region: Region) -> str | None:
         """Rewrite one norm + linear, or say why not."""
         graph = ctx.gm.graph
-        if any(len(n.users) != 1 for n in chain):
-            return "its output is read by more than the linear"
+        out = chain[-1]  # the norm's output; others may read it when the linear reads it as it is (no cast between)
+        if any(len(n.users) != 1 for n in chain[:-1]) or (len(out.users) > 1 and len(chain) > 1):
+            return "its output is read by more than the linear, through a cast"
+        normed = len(out.users) > 1  # the op also writes the norm's output, for the other readers
         m = region.module
         eps = rmsnorm_eps(m)
         weight = ctx.param_node(m.weight)
@@ -145,6 +147,8 @@ class FuseNorm:
         tv, wv = node_value(t), node_value(weights[0])
         if tv.dtype not in (wv.dtype, torch.float32):
             return f"its input is {tv.dtype}, neither the linear's {wv.dtype} nor fp32"
+        if normed and node_value(out).dtype != wv.dtype:
+            return f"others read its {node_value(out).dtype} output, the op writes it in the linear's {wv.dtype}"
         from runtime.ops.linear.kernels import pick_config
         Ns = [node_value(w).shape[0] for w in weights]
         if pick_config(1, Ns, wv.shape[1], norm=True) is None:
@@ -166,20 +170,29 @@ class FuseNorm:
             anchor = [n for n in nodes if n.op == "placeholder"][-1]
         # the call computes the norm where its input is made: nothing up to the linear may write in place (into the
         # input, the sum, or anything else: the order of such writes against the norm would change)
-        if any(map(may_mutate, nodes[order[anchor] + 1:order[lin]])):
-            return "something between its input and its linear may write in place"
+        readers = [u for u in out.users if u is not lin and u not in chain]
+        last = max(order[n] for n in [lin, *readers])
+        if any(map(may_mutate, nodes[order[anchor] + 1:last])):
+            return "something between its input and its readers may write in place"
         late = [p for p in [weight, *weights, *([bias] if bias is not None else [])] if order[p] > order[anchor]]
         if any(p.op != "get_attr" for p in late):
             return "a weight of its linear is computed after the norm's input"
         with graph.inserting_after(anchor):
             call = graph.call_function(torch.ops.hybrid.norm_linear.default,
-                                       (x, residual, weight, eps, tv.dtype != torch.float32, weights, bias))
+                                       (x, residual, weight, eps, tv.dtype != torch.float32, weights, bias, normed))
         for p in late:  # frozen weights: get_attr nodes placed at their first use
             call.prepend(p)
         ys = node_value(lin)
         ys = list(ys) if isinstance(ys, (list, tuple)) else [ys]
         call.meta.update({k: v for k, v in lin.meta.items() if k != "example_value" and k != "val"})
-        call.meta["example_value"] = ys + ([node_value(add)] if add is not None else [])
+        call.meta["example_value"] = ys + ([node_value(add)] if add is not None else []) + (
+            [node_value(out)] if normed else [])
+        if normed:  # the other readers take the op's copy of the norm's output (its last output)
+            with graph.inserting_after(call):
+                h = graph.call_function(operator.getitem, (call, len(call.meta["example_value"]) - 1))
+            h.meta.update(out.meta)
+            for u in readers:
+                u.replace_input_with(out, h)
         if lin.target is torch.ops.hybrid.linear.default:
             with graph.inserting_after(call):
                 item = graph.call_function(operator.getitem, (call, 0))

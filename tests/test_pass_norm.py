@@ -1,7 +1,10 @@
-"""passes/norm.py: an RMSNorm (and the residual add before it) read by one hybrid linear becomes that linear's
-prologue (hybrid::norm_linear); logits and greedy tokens unchanged. Not fired: norms read by more than a linear (an
-MoE block's), norms a mixer reads, a norm whose math is not RMSNorm's (Gemma's 1 + w), and with the switch off."""
+"""passes/norm.py: an RMSNorm (and the residual add before it) read by a hybrid linear becomes that linear's
+prologue (hybrid::norm_linear), which also writes the norm's output when others read it (an MoE block); logits and
+greedy tokens unchanged. Not fired: norms only a mixer reads, a norm whose math is not RMSNorm's (Gemma's 1 + w),
+and with the switch off."""
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -47,16 +50,32 @@ def test_llama_every_norm_fused_with_its_residual_add():
                      "(hybrid::norm_linear)"]
 
 
-def test_moe_and_mixer_norms_stay():
-    """DeepSeek-V2: the post-attention norm feeds the router, the experts and the shared experts (more than one
-    linear), kv_a_layernorm feeds the MLA op: left to Inductor and said why. The input norms and the final norm
-    fuse. Mamba2: the block norm feeds the mixer op; only norm_f -> lm_head fuses (fp32 residual stream in bf16)."""
+def _moe_inputs(gm: fx.GraphModule) -> list[str]:
+    """What produces each hybrid::moe_block's input: 'norm_linear[i]' for an output of a norm_linear call."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "moe_block" in str(n.target):
+            x = n.args[0]
+            src = x.args[0] if x.op == "call_function" and x.target is operator.getitem else None
+            out.append(f"norm_linear[{x.args[1]}]" if src is not None and "norm_linear" in str(src.target)
+                       else str(x.target))
+    return out
+
+
+def test_moe_norm_fuses_and_is_written_for_the_block():
+    """DeepSeek-V2: the post-attention norm feeds the shared experts' gate + up and the MoE block (router, experts):
+    it fuses into that linear, whose op also writes the norm's output (after the two linear outputs and the sum),
+    which the block reads; kv_a_layernorm feeds the MLA op: left to Inductor and said why. Mamba2: the block norm
+    feeds the mixer op; only norm_f -> lm_head fuses (fp32 residual stream in bf16)."""
     model = zoo.build("deepseek_v2")
     err, seen, notes = _decode(model)
     layers = model.config.num_hidden_layers
-    assert err < 1e-5 and seen[0].get("norm_linear") == layers + 1
-    assert len(notes) == 1 and f"where its output is read by more than the linear (model.layers.0.post_attention_" \
-        in notes[0] and "where no hybrid linear reads it (model.layers.0.self_attn.kv_a_layernorm" in notes[0]
+    assert err < 1e-5 and seen[0].get("norm_linear") == 2 * layers + 1
+    assert len(notes) == 1 and "where no hybrid linear reads it (model.layers.0.self_attn.kv_a_layernorm" \
+        in notes[0] and "post_attention" not in notes[0]
+    with compiled_with_spy(model.forward, {}, _moe_inputs) as (fn, _, moe_inputs):
+        fn(torch.randint(3, model.config.vocab_size, (1, 1)))
+    assert moe_inputs[0] == ["norm_linear[3]"] * layers, moe_inputs
     model = zoo.build("mamba2", dtype=torch.bfloat16)
     err, seen, notes = _decode(model)
     assert err < 2e-2 and seen[0].get("norm_linear") == 1
@@ -104,7 +123,7 @@ def test_write_in_place_between_keeps_the_norm():
         got = fn(a, b)
     torch.testing.assert_close(got, want)
     notes = [n for g in report.graphs for n in g.notes if "RMSNorm" in n]
-    assert "norm_linear" not in seen[0] and "something between its input and its linear may write in place" in notes[0]
+    assert "norm_linear" not in seen[0] and "something between its input and its readers may write in place" in notes[0]
 
 
 def test_lm_head_sized_weight_keeps_the_norm_kernel():

@@ -221,11 +221,12 @@ def test_linear_conv_op(monkeypatch):
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def _norm_want(x, r, nw, eps, round_input, ws, bias=None):
-    """RMSNorm (of x + r) by its torch reference, then F.linear in fp32; and the sum."""
+def _norm_want(x, r, nw, eps, round_input, ws, bias=None, normed=False):
+    """RMSNorm (of x + r) by its torch reference, then F.linear in fp32; and the sum (and the norm's output)."""
     from runtime.ops.linear.norm import add_rms_norm_ref
     h, s = add_rms_norm_ref(x, r, nw, eps, round_input, ws[0].dtype)
-    return [F.linear(h.float(), w.float(), None if bias is None else bias.float()) for w in ws], s
+    ys = [F.linear(h.float(), w.float(), None if bias is None else bias.float()) for w in ws]
+    return (ys, s, h) if normed else (ys, s)
 
 
 @pytest.mark.parametrize("Ns,K,block_k,res,rnd", [
@@ -235,8 +236,9 @@ def _norm_want(x, r, nw, eps, round_input, ws, bias=None):
 def test_norm_prologue_matches_norm_then_linear(Ns, K, block_k, res, rnd):
     """HF's RMSNorm (of the residual add x + r) as the gemv kernel's prologue: groups of 1-3 weights, K not a
     multiple of the block (and multiples), the sum written in the add's dtype (fp32 residual stream + bf16 output, or bf16 + bf16),
-    the norm's input rounded to the weights' dtype or not. bf16 weights; the interpreter rounds bf16 stores down, so
-    the sum is compared within one bf16 step."""
+    the norm's input rounded to the weights' dtype or not; the norm's output written too (for other readers). bf16
+    weights; the interpreter rounds bf16 stores down, so the sum and the norm's output are compared within one bf16
+    step."""
     g = torch.Generator().manual_seed(K + block_k)
     x = (torch.randn(1, K, generator=g) * 3).to(DEV, res or torch.bfloat16)
     r = None if res is None else torch.randn(1, K, generator=g).to(DEV, torch.bfloat16)
@@ -244,15 +246,17 @@ def test_norm_prologue_matches_norm_then_linear(Ns, K, block_k, res, rnd):
     ws = [(torch.randn(n, K, generator=g) / K ** 0.5).to(DEV, torch.bfloat16) for n in Ns]
     bias = torch.randn(Ns[0], generator=g).to(DEV, torch.bfloat16) if len(Ns) == 1 else None
     s = None if r is None else torch.empty(1, K, dtype=torch.promote_types(x.dtype, r.dtype), device=DEV)
+    h = torch.full((1, K), float("nan"), dtype=torch.bfloat16, device=DEV)
     got = linear_triton(x, ws, bias, config=dict(kernels.GEMV_NORM, block_k=block_k),
-                        norm=(nw, 1e-5, r, s, rnd))
-    want, want_s = _norm_want(x, r, nw, 1e-5, rnd, ws, bias)
+                        norm=(nw, 1e-5, r, s, rnd, h))
+    want, want_s, want_h = _norm_want(x, r, nw, 1e-5, rnd, ws, bias, normed=True)
     for y, t in zip(got, want):
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), t, rtol=2e-2, atol=2e-2 * t.abs().max().item())
     if s is not None:
         assert s.dtype == want_s.dtype
         torch.testing.assert_close(s.float(), want_s.float(), rtol=1e-2, atol=0)
+    torch.testing.assert_close(h.float(), want_h.float(), rtol=2e-2, atol=1e-2)
 
 
 def test_norm_linear_op(monkeypatch):
@@ -281,6 +285,10 @@ def test_norm_linear_op(monkeypatch):
         for y, t in zip(out, want):
             torch.testing.assert_close(y.float(), t, rtol=2e-2, atol=2e-2 * t.abs().max().item())
         torch.testing.assert_close(out[2], want_s)
+        out = torch.ops.hybrid.norm_linear(x, r, nw, 1e-6, True, ws, None, True)  # + the norm's output
+        want, _, want_h = _norm_want(x, r, nw, 1e-6, True, ws, normed=True)
+        assert len(out) == 4 and out[3].shape == (rows, 1, K) and out[3].dtype == torch.bfloat16
+        torch.testing.assert_close(out[3].float(), want_h.float(), rtol=1e-2, atol=1e-2)
     out = torch.ops.hybrid.norm_linear(x[:1].to(torch.bfloat16), None, nw, 1e-6, False, ws[:1], None)
     assert len(out) == 1 and out[0].shape == (1, 1, 40)
 

@@ -72,11 +72,32 @@ def _norm_in(x, r_ptrs, s_ptrs, g_ptrs, ok, store, HAS_RES: tl.constexpr, ROUND:
 
 
 @triton.jit
+def _write_normed(x_ptr, r_ptr, s_ptr, g_ptr, h_ptr, rstd, K, rk, HAS_RES: tl.constexpr, ROUND: tl.constexpr,
+                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The norm's output h = g * round(t * rstd) (HF's RMSNorm, rounded as ``add_rms_norm_ref``) written to h_ptr, for
+    readers other than the linear (an MoE block's router and experts); one program, a second pass over the row."""
+    for k in range(0, K, BLOCK_K):
+        cols = k + rk
+        ok = cols < K
+        t = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            t = (t + tl.load(r_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
+            t = t.to(tl.float32)
+        if ROUND:
+            t = t.to(dtype).to(tl.float32)
+        hv = t * rstd
+        if ROUND:
+            hv = hv.to(dtype).to(tl.float32)
+        g = tl.load(g_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(h_ptr + cols, (hv * g).to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z_ptr, g_ptr, eps, N0, N1, N2, K,
                  s0, s1, s2, NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  r_ptr=None, s_ptr=None, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                 ROUND: tl.constexpr = False):
+                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False):
     if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next one launch
         gdc_wait()
         gdc_launch_dependents()
@@ -115,7 +136,12 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
         acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
     if GATED or NORM:
-        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + tl.cast(eps, tl.float32))
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + tl.cast(eps, tl.float32))
+        y = y * rstd
+        if WRITE_H:
+            if pid == 0:
+                _write_normed(x_ptr, r_ptr, s_ptr, g_ptr, h_ptr, rstd, K, rk, HAS_RES, ROUND, BLOCK_K,
+                              w0_ptr.dtype.element_ty)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -243,9 +269,9 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
 
     gate = (z [M, K] (rows contiguous), norm weight [K], eps): the input is first HF's gated RMSNorm of x
     (one group of K; see ``_gate``), x and z in any float dtype. One weight only.
-    norm = (norm weight [K], eps, r, s, round): the input is first HF's RMSNorm of x, or of x + r when r (like x) is
-    given, the sum written to s [M, K] (its dtype: the add's); round: the norm's input rounded to the weights' dtype
-    (see ``_norm_in``). The gemv kernel (one row)."""
+    norm = (norm weight [K], eps, r, s, round[, h]): the input is first HF's RMSNorm of x, or of x + r when r (like x)
+    is given, the sum written to s [M, K] (its dtype: the add's); round: the norm's input rounded to the weights' dtype
+    (see ``_norm_in``); h [M, K]: the norm's output written there too (``_write_normed``). The gemv kernel (one row)."""
     M, K = x.shape
     Ns = [w.shape[0] for w in weights]
     cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None)
@@ -269,12 +295,14 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         grid = (sum(triton.cdiv(n, bn) for n in Ns),)
         extra = {}
         if norm is not None:
-            g, eps, r, s, rnd = norm
+            g, eps, r, s, rnd, *h = norm
+            h = h[0] if h else None
             assert gate is None and g.shape == (K,) and g.stride(0) == 1, "norm: weight [K], no gate"
             assert (r is None) == (s is None) and (r is None or r.shape == s.shape == x.shape and
                                                    r.stride(1) == s.stride(1) == 1), "norm: r and s like x"
+            assert h is None or (h.shape == x.shape and h.stride(1) == 1), "norm: h like x"
             extra = dict(r_ptr=x if r is None else r, s_ptr=x if s is None else s, NORM=True, HAS_RES=r is not None,
-                         ROUND=bool(rnd))
+                         ROUND=bool(rnd), h_ptr=x if h is None else h, WRITE_H=h is not None)
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3),
                            NUM_W=len(weights), HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn,
                            BLOCK_K=cfg["block_k"], EVEN_K=even_k, **extra, **opts)

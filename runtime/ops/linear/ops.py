@@ -129,9 +129,10 @@ def _(x, weight, bias, conv_state, conv_weight, conv_bias, c0):
 
 @torch.library.custom_op(op_name("norm_linear"), mutates_args=())
 def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float, round_input: bool,
-                weights: list[Tensor], bias: Optional[Tensor] = None) -> list[Tensor]:
+                weights: list[Tensor], bias: Optional[Tensor] = None, return_normed: bool = False) -> list[Tensor]:
     """HF's RMSNorm of x (or of the residual add s = x + residual), then the linears that read it (1-3 weights
-    sharing the input; bias only with one): ``[F.linear(h, w_i, bias) ...]``, then s when residual is given.
+    sharing the input; bias only with one): ``[F.linear(h, w_i, bias) ...]``, then s when residual is given, then h
+    when return_normed (for other readers of the norm).
     h = norm_weight * (t * rsqrt(mean(t^2) + eps)).to(t.dtype) in the weights' dtype, t = s or x in the weights'
     dtype when round_input, else in fp32 (norm.py). One row on CUDA: one launch, the norm (and the add) as the gemv
     kernel's prologue; otherwise the norm kernel, then ``hybrid::linear`` / ``hybrid::linear_group``."""
@@ -143,9 +144,10 @@ def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps:
     if rows is not None:
         r = None if residual is None else _rows(residual)
         s = None if r is None else torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, r.dtype), device=x.device)
-        ys = linear_triton(rows, weights, bias, norm=(norm_weight, eps, r, s, round_input))
+        h = torch.empty(rows.shape, dtype=wdtype, device=x.device) if return_normed else None
+        ys = linear_triton(rows, weights, bias, norm=(norm_weight, eps, r, s, round_input, h))
         ys = [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
-        return ys if s is None else ys + [s.view(x.shape)]
+        return ys + [t.view(x.shape) for t in (s, h) if t is not None]
     if use_triton(x) and norm_weight.stride(0) == 1 and K <= MAX_K:  # the row kernel holds the row in registers
         h, s = add_rms_norm_triton(_rows(x), None if residual is None else _rows(residual), norm_weight, eps,
                                    round_input, wdtype)
@@ -158,10 +160,12 @@ def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps:
     else:
         assert bias is None, "bias only with one weight"
         ys = list(torch.ops.hybrid.linear_group(h, weights))
-    return ys if s is None else ys + [s.contiguous()]
+    return ys + ([] if s is None else [s.contiguous()]) + ([h.contiguous()] if return_normed else [])
 
 
 @norm_linear.register_fake
-def _(x, residual, norm_weight, eps, round_input, weights, bias=None):
+def _(x, residual, norm_weight, eps, round_input, weights, bias=None, return_normed=False):
     ys = [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=w.dtype) for w in weights]
-    return ys if residual is None else ys + [x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))]
+    if residual is not None:
+        ys.append(x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
+    return ys + ([x.new_empty(x.shape, dtype=weights[0].dtype)] if return_normed else [])
