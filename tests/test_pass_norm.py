@@ -126,6 +126,41 @@ def test_write_in_place_between_keeps_the_norm():
     assert "norm_linear" not in seen[0] and "something between its input and its readers may write in place" in notes[0]
 
 
+class _ReadThroughCast(torch.nn.Module):
+    """The linear reads the norm through a cast and something else reads the norm too: the op could hand the other
+    reader only the cast's input dtype if it wrote it, so the pass leaves the norm (must not fire). A second norm read
+    by the linear and another op directly fuses and hands that reader the op's copy."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        self.n1, self.n2 = LlamaRMSNorm(64, eps=1e-6), LlamaRMSNorm(64, eps=1e-6)
+        self.l1, self.l2 = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 16, bias=False)
+        with torch.no_grad():
+            self.n1.weight.normal_()
+            self.n2.weight.normal_()
+
+    def forward(self, a):
+        h1 = self.n1(a)
+        h2 = self.n2(a * 2)
+        return self.l1(h1.to(torch.float32)), h1 * 3, self.l2(h2), torch.tanh(h2)
+
+
+def test_norm_read_through_a_cast_by_the_linear_and_by_others_stays():
+    m = _ReadThroughCast().eval()
+    a = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        want = m(a)
+    with compiled_with_spy(m, {}, _ops) as (fn, report, seen):
+        got = fn(a)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    notes = [n for g in report.graphs for n in g.notes if "RMSNorm" in n]
+    assert seen[0].get("norm_linear") == 1 and seen[0].get("linear") == 1, seen
+    assert notes[0].startswith("1 RMSNorm") and "where its output is read by more than the linear, through a cast (n1)" \
+        in notes[0], notes
+
+
 def test_lm_head_sized_weight_keeps_the_norm_kernel():
     """A 128 MB lm_head (2^20 x 64 in bf16): the one-row prologue does not take it (a norm kernel, then the dot
     kernel, are faster there); the layers' norms still fuse."""
