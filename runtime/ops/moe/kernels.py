@@ -5,12 +5,15 @@ Pipeline of ``moe_triton`` (no host sync, every size a function of shapes only: 
      routers, else ``F.linear``), then
      ``_route_kernel``: scores, bias, group limit, top-k, renorm, scale.
   2. ``align_triton``: pairs (t, j) sorted by expert, each expert's segment padded to a multiple of BM
-     (padding = sentinel T*k); ``block_expert_ids`` names each BM-row block's expert.
+     (padding = sentinel T*k); ``block_expert_ids`` names each BM-row block's expert. Up to
+     ``ROUTE_ALIGN_MAX_T`` tokens (decode) the route kernel's work and this run in one launch
+     (``_route_align_kernel``).
   3. ``_gate_up_kernel``: per (BM block, BN tile of I): gate and up tiles of the same expert in one program,
      act(gate) * up written once to ``inter [max_padded, I]`` (row = sorted position).
   4. ``_down_kernel``: per (BM block, BN tile of H, K split): inter @ w2[e].T, times the routing weight, written
      to ``buf [SPLIT_K, T*k, H]`` (row = pair t*k+j).
-  5. ``_combine_kernel``: out[t] = sum over splits and slots of buf, in a fixed order (deterministic).
+  5. ``_combine_kernel``: out[t] = sum over splits and slots of buf, in a fixed order (deterministic), plus the
+     block's shared-expert output when ``hybrid::moe_block`` passes it.
 Small T: BM=16 blocks, so every touched expert has one block and its weights are read once; the N dimension
 is split finely (and K for the down projection) so enough CTAs stream the weights.
 
