@@ -24,7 +24,8 @@ def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, b
     keep = pos >= 0
     pos = pos.clamp(min=0)
     gather_idx = torch.where(keep, table.gather(1, pos // bs) * bs + pos % bs, 0)
-    writes = gather_idx[:, width - q_len:].reshape(-1)
+    # a copy, not a view: a view's storage offset (width - q_len at one row) is something dynamo specialises on
+    writes = gather_idx[:, width - q_len:].reshape(-1).clone()
     lengths = width - pads
     mha_maps = None
     if kv_heads:  # valid keys first
