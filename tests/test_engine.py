@@ -489,6 +489,26 @@ def test_compile_options_reach_the_backend():
         Engine(zoo.build("mixtral"), compile=None, compile_options={"moe": False})
 
 
+def test_capture_failure_during_a_compile_says_so(monkeypatch):
+    """A recorded step that fails while dynamo compiles (here: a backend that raises) is reported as a compile inside
+    the capture call; a failure without a compile passes through as it is. The graph context is faked (no GPU)."""
+    import contextlib
+
+    from runtime.engine.model_runner import record
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2, backend=broken)
+    with pytest.raises(RuntimeError, match="compiled again inside the capture call.*TORCH_LOGS=recompiles"):
+        record(None, None, lambda: fn(torch.ones(3)))
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="plain failure"):
+        record(None, None, lambda: (_ for _ in ()).throw(ValueError("plain failure")))
+    assert torch.equal(record(None, None, lambda: torch.ones(2) + 1), torch.full((2,), 2.0))
+
+
 def test_step_maps_kernel_equals_torch():
     """The runner's one-kernel maps on the GPU (here through the interpreter): the same tensors as the torch version
     across batches, widths (several key blocks at 2048), prefill lengths and paged-MHA head counts."""

@@ -336,8 +336,7 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = body()
+        out = record(graph, self._pool, body)
         self._graphs[(batch, width)] = (static_in, graph, out)
         return static_in, graph, out
 
@@ -387,6 +386,22 @@ class ModelRunner:
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra
+
+
+def record(graph, pool, body):
+    """body() recorded into ``graph``. When it fails and dynamo compiled something meanwhile, the error says so: the
+    compile is then the cause (the passes' probes copy host tensors to the device, which a capture forbids), not the
+    step's own code."""
+    from torch._dynamo.utils import counters
+    frames = counters["frames"]["total"]
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            return body()
+    except Exception as e:
+        if counters["frames"]["total"] > frames:
+            raise RuntimeError(f"the model compiled again inside the capture call: a guard that held for the two "
+                               f"warm-up runs failed (TORCH_LOGS=recompiles says which) [{e}]") from e
+        raise
 
 
 def _frozen(compiled):
