@@ -14,9 +14,9 @@ by what it holds), called once in the graph, whose math a probe proves (the live
 a ``hybrid::linear`` / ``hybrid::linear_group`` (what passes/linear.py emits) through casts and identity slices, the
 one-row kernel must take that linear (not an lm_head-sized weight: ``pick_config``), and the norm's input must be in
 the weights' dtype or fp32. When others read the norm's output too (DeepSeek's MoE block: the shared experts' gate +
-up, and the router and routed experts), the linear must read it as it is and the op also writes it
-(``return_normed``; one program of the gemv kernel, a second pass over the row) for them. Runs after passes/linear.py; the explain report's graph note counts
-the fused norms and says why the others were not.
+up, and the router and routed experts), the linear must read it as it is and the op also writes it for them
+(``return_normed``: the gemv's first programs write it, 64 columns each). Runs after passes/linear.py; the explain
+report's graph note counts the fused norms and says why the others were not.
 """
 from __future__ import annotations
 
