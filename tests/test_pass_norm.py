@@ -157,8 +157,8 @@ def test_norm_read_through_a_cast_by_the_linear_and_by_others_stays():
         torch.testing.assert_close(g, w)
     notes = [n for g in report.graphs for n in g.notes if "RMSNorm" in n]
     assert seen[0].get("norm_linear") == 1 and seen[0].get("linear") == 1, seen
-    assert notes[0].startswith("1 RMSNorm") and "where its output is read by more than the linear, through a cast (n1)" \
-        in notes[0], notes
+    why = "where its output is read by more than the linear, through a cast (n1)"
+    assert notes[0].startswith("1 RMSNorm") and why in notes[0], notes
 
 
 def test_lm_head_sized_weight_keeps_the_norm_kernel():

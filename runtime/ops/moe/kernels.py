@@ -211,8 +211,8 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le,
                   E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                   METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
-    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, stride_lt, stride_le, scale, E, EP, TOP_K,
-                KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, stride_lt, stride_le, scale, E,
+                EP, TOP_K, KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
 
 
 @triton.jit
