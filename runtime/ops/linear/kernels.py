@@ -61,6 +61,12 @@ def _norm_in(x, r_ptrs, s_ptrs, g_ptrs, ok, store, HAS_RES: tl.constexpr, ROUND:
     input is first the residual add x + r, rounded to s's dtype (the add's result dtype) and, where ``store``, written
     to s (one program writes it: the graph still reads the sum as the next residual). ROUND: the norm's input is
     rounded to ``dtype`` (the weights' dtype), where HF casts the sum down before the norm."""
+    return _weighted(_norm_input(x, r_ptrs, s_ptrs, ok, store, HAS_RES, ROUND, dtype), g_ptrs, ok)
+
+
+@triton.jit
+def _norm_input(x, r_ptrs, s_ptrs, ok, store, HAS_RES: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
+    """The norm's input t (fp32) from x: + r rounded to s's dtype (stored to s where ``store``), rounded to dtype."""
     if HAS_RES:
         x = (x + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(s_ptrs.dtype.element_ty)
         if store:
@@ -68,7 +74,7 @@ def _norm_in(x, r_ptrs, s_ptrs, g_ptrs, ok, store, HAS_RES: tl.constexpr, ROUND:
         x = x.to(tl.float32)
     if ROUND:
         x = x.to(dtype).to(tl.float32)
-    return _weighted(x, g_ptrs, ok)
+    return x
 
 
 @triton.jit
@@ -83,12 +89,8 @@ def _write_normed(x_ptr, r_ptr, s_ptr, g_ptr, h_ptr, rstd, K, pid, HAS_RES: tl.c
     for k in range(pid * HB, K, tl.num_programs(0) * HB):
         cols = k + tl.arange(0, HB)
         ok = cols < K
-        t = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_RES:
-            t = (t + tl.load(r_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
-            t = t.to(tl.float32)
-        if ROUND:
-            t = t.to(dtype).to(tl.float32)
+        t = _norm_input(tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32), r_ptr + cols, s_ptr + cols, ok,
+                        False, HAS_RES, ROUND, dtype)
         hv = t * rstd
         if ROUND:
             hv = hv.to(dtype).to(tl.float32)
