@@ -417,19 +417,6 @@ def compile_check() -> None:
         k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=cfg["num_warps"]))
         log(f"{kern.fn.__name__} {cfg}: {ptxas_info(ptxas, k)}")
-    from runtime.ops.mla import decode_heads as dh
-    kern, cfg = dh._mla_decode_heads_kernel, dh.CONFIGS["heads"]
-    for w, bn in ((cfg["num_warps"], cfg["block_n"]), (4, 32), (8, 64)):
-        cx = dict(PAGE=page, BP=cfg["block_p"], BN=bn, BV=cfg["block_v"], BLOCK_P=128, BLOCK_L=L, BLOCK_R=R,
-                  BLOCK_S=16)
-        ptrs = dict(QN="*bf16", QR="*bf16", W="*bf16", KV="*bf16", BT="*i32", SEQ="*i32", PO="*fp32",
-                    PLSE="*fp32", CNT="*i32", O="*bf16", sm_scale_log2="fp32")
-        sig = {n: "constexpr" if n in cx else ptrs.get(n, "i32") for n in kern.arg_names}
-        aligned = {"H", "P", "L", "R", "V"} | {n for n in kern.arg_names if n.startswith("s_")}  # multiples of 16
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
-                 if sig[n].startswith("*") or n in aligned}
-        k = triton.compile(ASTSource(kern, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=w))
-        log(f"_mla_decode_heads_kernel warps={w} block_n={bn}: {ptxas_info(ptxas, k)}")
 
 
 def ptxas_info(ptxas, k) -> str:
@@ -512,53 +499,6 @@ def split_sweep(args) -> None:
                                                   triton=triton.__version__, config=cfg, split_sweep=rows), indent=1))
 
 
-def heads_sweep(args) -> None:
-    """The one-launch per-head decode (runtime/ops/mla/decode_heads.py) against the three launches it replaces
-    (W_UK batched matmul, split-KV attention, merge + W_UV) at the engine's small-batch shapes, 16 heads: split
-    counts x a few configs, CUDA graphs, L2 evicted before each call (the engine's weights are cold)."""
-    from runtime.ops.mla import decode_heads as dh
-    from runtime.ops.mla.dropin import _per_head_matmul
-    dev, dtype, sh, H = "cuda", torch.bfloat16, FULL, 16
-    L, R, P, V = sh["L"], sh["R"], sh["P"], sh["V"]
-    scale = (P + R) ** -0.5
-    variants = {f"w{w}n{n}": dict(num_warps=w, block_n=n) for w in (4, 8) for n in (16, 32, 64)}
-    rows = []
-    for B in (1, 2, 4):
-        for S in (512, 1024, 2048, 4096):
-            cache, bt, seq = make_paged(B, S, sh, dev, dtype)
-            g = torch.Generator(device=dev).manual_seed(1)
-            w = (torch.randn(H * (P + V), L, device=dev, generator=g) * L ** -0.5).to(dtype).view(H, P + V, L)
-            q_nope = torch.randn(B, H, P, device=dev, generator=g).to(dtype)
-            q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
-
-            def three():
-                q_lat = _per_head_matmul(q_nope[:, :, None], w[:, :P])[:, :, 0]
-                return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, w_uv=w[:, P:])
-
-            want = three()
-            auto = dh.heads_splits(B, H, bt.shape[1] * sh["block"])
-            times = {}
-            for name, cfg in variants.items():
-                for ns in sorted({auto, 1, 2, 4, 8, 16, 32} & set(range(1, S // 32 + 1))):
-                    def one(ns=ns, cfg=cfg):
-                        return dh.mla_decode_heads_triton(q_nope, q_rope, cache, bt, seq, w, scale, ns, config=cfg)
-                    e = err(one(), want)
-                    assert e < args.tol, (B, S, name, ns, e)
-                    times[f"{name}/s{ns}"] = round(time_ms(one)[0] * 1e3, 2)
-            shipped = f"w{dh.CONFIGS['heads']['num_warps']}n{dh.CONFIGS['heads']['block_n']}/s{auto}"
-            best = min(times, key=times.get)
-            row = dict(B=B, S=S, three_launches_us=round(time_ms(three)[0] * 1e3, 2), auto_splits=auto,
-                       shipped=shipped, shipped_us=times.get(shipped), best=best, best_us=times[best], times_us=times)
-            rows.append(row)
-            log(f"B={B} S={S:5d}: three launches {row['three_launches_us']:.1f} us; one launch {shipped} "
-                f"{row['shipped_us']} us, best {best} {times[best]} us")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                                  triton=triton.__version__, config=dh.CONFIGS, heads_sweep=rows),
-                                             indent=1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter or GPU), seconds")
@@ -571,12 +511,7 @@ def main() -> None:
     ap.add_argument("--compile-check", action="store_true", help="compile for sm_90 on any machine, print resources")
     ap.add_argument("--split-sweep", action="store_true",
                     help="16 heads, small batches: time every split count against the automatic one, then stop")
-    ap.add_argument("--heads-sweep", action="store_true",
-                    help="16 heads, B <= 4: the one-launch per-head decode vs the three launches, then stop")
     args = ap.parse_args()
-    if args.heads_sweep:
-        heads_sweep(args)
-        return
     if args.compile_check:
         compile_check()
         return

@@ -335,23 +335,20 @@ def test_absorbed_drop_in_reproduces_hf(family, impl, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- engine decode
-@pytest.mark.parametrize("impl", ["ref", "triton-heads", "triton", "triton-uv-after-merge"])
+@pytest.mark.parametrize("impl", ["ref", "triton", "triton-uv-after-merge"])
 def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
     """hybrid::mla_attention_paged (pages read in place) = hybrid::mla_attention over what
     hybrid::paged_gather returns for the engine's left-padded gather map and mask; 3 heads, block size 4,
     lengths 1 / 6 / 17 across block boundaries, blocks shuffled, one padding row of the reserved block 0.
-    "triton-heads": the one-launch per-head kernel (decode_heads.py); "triton": W_UV applied by the merge kernel
-    (4 rows, V = 12 over 16-column tiles); "triton-uv-after-merge": the batched matmul after the merge, as above
-    uv_max_batch rows."""
-    from runtime.ops.mla import decode_heads, kernels, paged  # noqa: F401
+    "triton": W_UV applied by the merge kernel (4 rows, V = 12 over 16-column tiles); "triton-uv-after-merge": the
+    batched matmul after the merge, as above uv_max_batch rows."""
+    from runtime.ops.mla import kernels, paged  # noqa: F401
     from runtime.ops.mla.dropin import mla_attention
     from runtime.ops.mla.paged import mla_attention_paged
     if impl != "ref":
         _triton_ops(monkeypatch)
         uv_max = 4 if impl == "triton" else 0
         monkeypatch.setitem(kernels.CONFIGS, "merge_uv", {**kernels.CONFIGS["merge_uv"], "uv_max_batch": uv_max})
-        if impl != "triton-heads":
-            monkeypatch.setitem(decode_heads.CONFIGS, "heads", {**decode_heads.CONFIGS["heads"], "max_batch": 0})
     g = torch.Generator().manual_seed(4)
     H, P, R, V, L, bs = 3, 16, 8, 12, 32, 4
     lengths = [1, 6, 17, 1]                                              # the last row is bucket padding
@@ -378,38 +375,6 @@ def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
     got = mla_attention_paged(q_nope, q_rope, buf, table, seq_lens, weight, block_size=bs, scale=SCALE)
     assert got.shape == (len(lengths), H, 1, V)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("H,P,V,L,R,block_size", [(3, 16, 12, 32, 8, 16), (5, 40, 24, 48, 8, 24)])
-def test_decode_heads_matches_absorbed_reference(H, P, V, L, R, block_size):
-    """decode_heads.py (absorption, split attention per head, last-split merge + W_UV in one launch) against
-    absorb_q -> mla_decode_ref -> unabsorb_out; lengths 1 / 17 / 300 / 0 / 64 across block boundaries, P and L
-    not multiples of the tiles, 1 / 3 / automatic / 19 splits (19: some splits get no keys)."""
-    from runtime.ops.mla import decode_heads
-    seq_lens = [1, 17, 300, 0, 64]
-    cache, bt, sl = _paged(seq_lens, L, R, block_size, seed=11)
-    B = len(seq_lens)
-    w = randn(H, P + V, L) * 0.2
-    q_nope, q_rope = randn(B, H, P), randn(B, H, R)
-    o_lat = ref.mla_decode_ref(ref.absorb_q(q_nope, w[:, :P]), q_rope, cache, bt, sl, SCALE)
-    want = ref.unabsorb_out(o_lat, w[:, P:])
-    assert (want[3] == 0).all()                                           # seq_len 0 -> zeros
-    for ns in (1, 3, 0, 19):
-        got = decode_heads.mla_decode_heads_triton(q_nope, q_rope, cache, bt, sl, w, SCALE, num_splits=ns)
-        assert got.shape == (B, H, V)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-def test_decode_heads_split_choice():
-    """Splits per (sequence, head) from shapes: one wave of programs, >= min_keys keys of capacity each."""
-    from runtime.ops.mla.decode_heads import CONFIGS, heads_splits, use_heads_kernel
-    c = CONFIGS["heads"]
-    assert heads_splits(1, 16, 1024) == min(c["max_splits"], c["slots"] // 16)
-    assert heads_splits(4, 16, 1024) == c["slots"] // 64
-    assert heads_splits(1, 16, 64) == 64 // c["min_keys"]
-    assert heads_splits(64, 16, 1024) == 1
-    assert use_heads_kernel(1, 1024) and not use_heads_kernel(c["max_batch"] + 1, 1024)
-    assert not use_heads_kernel(1, c["max_keys"] * 2)
 
 
 # ---------------------------------------------------------------------------------------------- compile

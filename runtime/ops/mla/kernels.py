@@ -289,26 +289,23 @@ def _mla_attn_kernel(
 def _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
     """Row ``pid``'s output [BLOCK_L] fp32: sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), BLOCK_S splits per
     load (one split at a time made 2 x NUM_SPLITS dependent round trips). Splits with lse = -inf (no keys) are
-    skipped without reading their (unwritten) partials. Loads go to L2 (.cg): in ``decode_heads.py`` the partials
-    were written by other programs of the same launch."""
+    skipped without reading their (unwritten) partials."""
     offs = tl.arange(0, BLOCK_L)
     offs_s = tl.arange(0, BLOCK_S)
     base = pid.to(tl.int64) * NUM_SPLITS
     m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"),
-                      cache_modifier=".cg")
+        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
         m = tl.maximum(m, tl.max(lse, 0))
     m_use = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     den = tl.sum(acc, 0)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"),
-                      cache_modifier=".cg")
+        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
         w = tl.exp2(lse - m_use)
         live = lse > float("-inf")
         po = tl.load(PO + (base + s0 + offs_s)[:, None] * L + offs[None, :],
-                     mask=live[:, None] & (offs < L)[None, :], other=0.0, cache_modifier=".cg")
+                     mask=live[:, None] & (offs < L)[None, :], other=0.0)
         acc += tl.sum(w[:, None] * po, 0)
         den += tl.sum(w, 0)
     return acc / tl.where(den == 0.0, 1.0, den)

@@ -10,8 +10,7 @@ of the buffer; ``gather_idx`` lists the same rows, and the step's attention mask
 The MLA pass (passes/mla.py), when a one-token decode's latent and rope key come straight from this op,
 emits ``hybrid::mla_attention_paged`` instead of ``hybrid::mla_attention``: W_UK absorbed into the query,
 split-KV ``hybrid::mla_decode`` over the pages in place, W_UV applied to the output (by the split-KV merge
-kernel itself at up to ``CONFIGS["merge_uv"]["uv_max_batch"]`` sequences, kernels.py). At a few sequences and
-short contexts all three run as one per-head launch (``decode_heads.py``). The gather (a copy of
+kernel itself at up to ``CONFIGS["merge_uv"]["uv_max_batch"]`` sequences, kernels.py). The gather (a copy of
 every cached token, then read again) disappears from the graph; each cached token's L + R values are read
 once. The attention mask is not read: by the contract above it says what seq_lens says. The engine's tests hold
 the contract to account end to end (greedy tokens equal HF generate's through this op, tests/test_engine.py).
@@ -23,7 +22,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from ..library import op_name, size_hint, use_triton
-from . import decode_heads, kernels
+from . import kernels
 from .dropin import _per_head_matmul
 
 
@@ -55,12 +54,8 @@ def _mla_attention_paged(q_nope: Tensor, q_rope: Tensor, buf: Tensor, block_tabl
     lat_dim = kv_b_weight.shape[-1]
     w = kv_b_weight.view(h, -1, lat_dim)
     w_uk, w_uv = w[:, :p], w[:, p:]
-    cache = buf.view(-1, block_size, buf.shape[-1])  # [blocks, block_size, L + R]
-    if use_triton(q_nope) and decode_heads.use_heads_kernel(b, block_table.shape[1] * block_size) \
-            and w.dtype == q_nope.dtype and w.stride(2) == 1 and q_nope.stride(3) == 1 and q_rope.stride(3) == 1:
-        return decode_heads.mla_decode_heads_triton(q_nope[:, :, 0], q_rope[:, :, 0], cache, block_table, seq_lens,
-                                                    w, scale)[:, :, None]  # one launch per layer
     q_lat = _per_head_matmul(q_nope, w_uk)[:, :, 0]  # [B, H, L]
+    cache = buf.view(-1, block_size, buf.shape[-1])  # [blocks, block_size, L + R]
     if use_triton(q_nope) and size_hint(b) <= kernels.CONFIGS["merge_uv"]["uv_max_batch"] \
             and w_uv.dtype == q_nope.dtype and w_uv.stride(2) == 1:  # W_UV in the merge kernel (one launch less)
         return kernels.mla_decode_triton(q_lat, q_rope[:, :, 0], cache, block_table, seq_lens, scale,
