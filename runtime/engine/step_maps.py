@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.ops.library import pdl_opts, pdl_start
+
 from . import attention
 
 
@@ -37,9 +39,10 @@ def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, b
 
 @triton.jit
 def _step_maps_kernel(table_ptr, pads_ptr, gather_ptr, writes_ptr, keep_ptr, lengths_ptr, table32_ptr, mha_table_ptr,
-                      mha_lens_ptr, width, nb, q_len, bs, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr):
+                      mha_lens_ptr, width, nb, q_len, bs, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row b, BLOCK keys): keys k of the block (left-padded: key k holds position k - pad), their write
     slots, the row's table as int32 and its length; KV_HEADS > 0: the paged MHA rows (valid keys first)."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     first = tl.program_id(1) == 0
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -83,7 +86,7 @@ def triton_step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len:
     if B:
         _step_maps_kernel[(B, triton.cdiv(width, block))](
             table, pads, gather_idx, writes, keep, lengths, table32, *(mha or (lengths, lengths)), width, nb, q_len, bs,
-            KV_HEADS=kv_heads, BLOCK=block, num_warps=4)
+            KV_HEADS=kv_heads, BLOCK=block, num_warps=4, **pdl_opts(table))
     return gather_idx, writes, keep, lengths, table32, mha
 
 

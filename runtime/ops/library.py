@@ -16,6 +16,9 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 NAMESPACE = "hybrid"
 
@@ -52,6 +55,22 @@ def pdl() -> bool:
     if interpreting() or os.environ.get("HYBRID_PDL", "1") == "0":
         return False
     return _hopper_or_newer()
+
+
+def pdl_opts(t: torch.Tensor) -> dict:
+    """Launch options of a kernel that starts with ``pdl_start(PDL)``: programmatic dependent launch on Hopper."""
+    on = pdl() and t.is_cuda
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First statement of a kernel launched with ``pdl_opts``: wait until the kernel before it has finished and its
+    writes are visible (nothing is read before this), then let the next kernel launch: its programs get scheduled
+    while this one runs and wait in their own ``pdl_start``. The launch latency hides behind this kernel's work."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,8 +15,8 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
 - ``_gate``: HF's gated RMSNorm (Mamba2, one group) as a prologue of the gemv kernels (``gate=`` of
   ``linear_triton``): Mamba2's norm and out projection in one launch.
 
-On Hopper both launch with programmatic dependent launch (``library.pdl``): a kernel may be scheduled while the
-one before it drains; it waits (``gdc_wait``) before its first load.
+On Hopper both launch with programmatic dependent launch (``library.pdl_opts``): a kernel may be scheduled while the
+one before it drains; it waits (``library.pdl_start``) before its first load.
 
 ``pick_config`` says which (measured configs) or None where cuBLAS is as fast (more rows, K > 8192: those need
 a split-K). Reference: ``torch.nn.functional.linear`` (tests/ops/test_linear.py).
@@ -27,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..library import interpreting, pdl
+from ..library import interpreting, pdl_opts, pdl_start
 from ..ssm.conv import conv_step_load, conv_step_store, silu
 
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
@@ -104,9 +103,7 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  r_ptr=None, s_ptr=None, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
                  ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next one launch
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)  # launched early (programmatic dependent launch): wait for the kernel before
     pid = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
@@ -189,9 +186,7 @@ def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, 
     (rounded to y's dtype, as HF's projection is) to the channel's state row [W] in place and writes
     silu(conv + conv bias) to c [M, C]; y keeps every column as projected. The conv's loads (state, taps, bias) are
     issued before the main loop, so its only cost at the end is the arithmetic and the stores."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)
     rm = tl.arange(0, 16)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = (rm < M)[:, None]
@@ -260,9 +255,7 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
 
 def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
     """Warps, stages and programmatic dependent launch (``library.pdl``) for a launch of config ``cfg``."""
-    use_pdl = pdl() and x.is_cuda
-    opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], PDL=use_pdl)
-    return {**opts, "launch_pdl": True} if use_pdl else opts
+    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **pdl_opts(x))
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,

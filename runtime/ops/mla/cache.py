@@ -11,10 +11,13 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..library import pdl_opts, pdl_start
+
 
 @triton.jit
 def _mla_cache_write_kernel(CACHE, LAT, ROPE, SLOTS, s_cb, s_cs, s_ln, s_ld, s_rn, s_rd, L, R,
-                            PAGE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+                            PAGE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     n = tl.program_id(0)
     slot = tl.load(SLOTS + n).to(tl.int64)
     offs_l = tl.arange(0, BLOCK_L)
@@ -44,5 +47,5 @@ def mla_cache_write_triton(cache: torch.Tensor, latent: torch.Tensor, k_rope: to
         cache, latent, k_rope, slot_mapping, cache.stride(0), cache.stride(1),
         latent.stride(0), latent.stride(1), k_rope.stride(0), k_rope.stride(1), L, R,
         PAGE=cache.shape[1], BLOCK_L=triton.next_power_of_2(L), BLOCK_R=triton.next_power_of_2(R),
-        num_warps=4,
+        num_warps=4, **pdl_opts(cache),
     )

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ..library import size_hint
+from ..library import pdl_opts, pdl_start, size_hint
 from .cache import mla_cache_write_triton  # noqa: F401  (re-exported launcher)
 
 MODE_DECODE, MODE_PREFILL, MODE_DENSE = 0, 1, 2
@@ -168,8 +168,9 @@ def _mla_attn_kernel(
     MODE: tl.constexpr, PAGE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, SEARCH_STEPS: tl.constexpr, IEEE: tl.constexpr,
     BQ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    WIN: tl.constexpr,
+    WIN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid_tile = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -313,8 +314,9 @@ def _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L: tl.constexpr, BLOCK_S: 
 
 @triton.jit
 def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+                      BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (token, head): the merged o_lat row."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
@@ -327,10 +329,11 @@ def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BL
 
 @triton.jit
 def _mla_merge_uv_kernel(PO, PLSE, W, O, H, L, V, NUM_SPLITS, s_wh, s_wv, s_ob, s_oh, BLOCK_L: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BV: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     """Decode at a few sequences: the merge, then W_UV, in one launch. Program (token x head, BV columns of V):
     out[n, h, v] = sum_l round(o_lat[n, h, l]) * W_UV[h, v, l], o_lat rounded to the output dtype as the unfused
     path stores it; fp32 products and sum. The W_UV tile's load does not wait for the partials."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     n = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
@@ -374,18 +377,18 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
         SEARCH_STEPS=max(1, math.ceil(math.log2(max(nseq, 1))) + 1) if mode == MODE_PREFILL else 1,
         IEEE=kl.dtype == torch.float32, BQ=bq, BH=bh, BN=cfg["block_n"],
         BLOCK_L=_pow2(L), BLOCK_R=_pow2(R), WIN=_window_pages(page, cfg["block_n"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], **pdl_opts(q_lat),
     )
     block_s = min(triton.next_power_of_2(num_splits), CONFIGS["merge"]["block_s"])
     if w_uv is not None:
         V, bv = w_uv.shape[1], CONFIGS["merge_uv"]["block_v"]
         wrap_triton(_mla_merge_uv_kernel)[(n_scr_tokens * H, triton.cdiv(V, bv))](
             po, plse, w_uv, out, H, L, V, num_splits, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-            BLOCK_L=_pow2(L), BLOCK_S=block_s, BV=bv, num_warps=CONFIGS["merge_uv"]["num_warps"])
+            BLOCK_L=_pow2(L), BLOCK_S=block_s, BV=bv, num_warps=CONFIGS["merge_uv"]["num_warps"], **pdl_opts(q_lat))
     elif split:
         wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
             po, plse, out, H, L, num_splits, t_out, *_out_strides(out, mode),
-            BLOCK_L=_pow2(L), BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"],
+            BLOCK_L=_pow2(L), BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"], **pdl_opts(q_lat),
         )
     return out
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..library import interpreting, size_hint
+from ..library import interpreting, pdl_opts, pdl_start, size_hint
 from .reference import ACTIVATIONS, METHODS, check_route_args
 
 # ----------------------------------------------------------------------------------------------------------
@@ -161,10 +161,11 @@ def _argmax_first(v, cols, EP: tl.constexpr):
 @triton.jit
 def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, stride_re, stride_rh,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                        IEEE: tl.constexpr, ROUND: tl.constexpr):
+                        IEEE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """logits [T, E] fp32 = x @ w.T for one [BLOCK_T, BLOCK_E] tile, both operands in DOT_DTYPE (bf16 x bf16
     products are exact in the fp32 accumulator: F.linear(x.float(), w.float()) up to summation order); ROUND:
     then rounded to x's dtype, as F.linear(x, w.to(x.dtype)) returns it."""
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask = rows < T
@@ -186,10 +187,11 @@ def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, s
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stride_re, stride_rh, BK: tl.constexpr,
-                        ROUND: tl.constexpr):
+                        ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """One (token, expert) logit on the CUDA cores (fp32 products of the widened operands, exact for 16-bit
     inputs): at a few tokens the router is a matrix-vector product, and a [16, 16] tensor-core tile per program
     would leave all but E / 16 SMs idle."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     e = tl.program_id(1)
     ks = tl.arange(0, BK)
@@ -210,7 +212,8 @@ def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stri
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le, scale,
                   E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                   METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, stride_lt, stride_le, scale, E,
                 EP, TOP_K, KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
 
@@ -221,11 +224,12 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
                         E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                         METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BM: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr):
+                        BM: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr = False):
     """Decode's routing in one launch: route every row (BLOCK_T at a time), then align the T * k pairs from the
     ids this program just wrote; the barrier makes every thread's id stores visible to the loads that follow.
     Correct at any T; chosen at a few tokens (``route_align_triton``), where the route and align launches were
     two kernels of about 2-3 us each in a 40 us MoE layer (DeepSeek-V2-Lite shape, B=1, H200)."""
+    pdl_start(PDL)
     for row0 in range(0, T, BLOCK_T):
         _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, E, EP, TOP_K, KP,
                     METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
@@ -354,7 +358,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str
     if T == 0:
         return weights, ids
     _launch(_route_kernel)[(triton.cdiv(T, block_t),)](
-        *args, T, logits.stride(0), logits.stride(1), float(scale), **meta)
+        *args, T, logits.stride(0), logits.stride(1), float(scale), **meta, **pdl_opts(logits))
     return weights, ids
 
 
@@ -379,7 +383,7 @@ def route_align_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, metho
     block = max(16, min(256, _pow2_at_least(size_hint(N))))
     _launch(_route_align_kernel)[(1,)](
         *args, *layout, T, logits.stride(0), logits.stride(1), float(scale), max_padded, max_blocks, **meta,
-        BM=block_m, BLOCK=block, TAIL=1024, BB=64)
+        BM=block_m, BLOCK=block, TAIL=1024, BB=64, **pdl_opts(logits))
     return weights, ids, layout
 
 
@@ -409,7 +413,7 @@ def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: b
         # call; 4.2 us with 4 experts per program; 6.0 us for the [16, 16] tensor-core tiles)
         _launch(_router_gemv_kernel)[(T, E)](
             x, router_w, logits, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
-            BK=512, ROUND=rnd, num_warps=4, num_stages=3)
+            BK=512, ROUND=rnd, num_warps=4, num_stages=3, **pdl_opts(x))
         return logits
     if router_fp32:  # F.linear(x.float(), w.float()): 16-bit operands of one dtype multiply exactly in fp32
         dot_dtype = torch.float32 if x.dtype == torch.float32 or router_w.dtype != x.dtype else x.dtype
@@ -420,7 +424,7 @@ def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: b
     _launch(_router_gemm_kernel)[(triton.cdiv(T, 16), triton.cdiv(E, 16))](
         x, router_w, logits, T, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
         BLOCK_T=16, BLOCK_E=16, BK=128, DOT_DTYPE=_TL_DTYPE[dot_dtype], IEEE=dot_dtype == torch.float32,
-        ROUND=rnd, num_warps=4, num_stages=4)
+        ROUND=rnd, num_warps=4, num_stages=4, **pdl_opts(x))
     return logits
 
 
@@ -476,7 +480,8 @@ def _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PAD
 @triton.jit
 def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS,
                          E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
-                         TAIL: tl.constexpr, BB: tl.constexpr):
+                         TAIL: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS, E, EP, BM, BLOCK,
                  TAIL, BB)
 
@@ -566,7 +571,7 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int, *, path: str
         block = _pow2_at_least(max(N, 16))
         _launch(_align_single_kernel)[(1,)](
             ids, sorted_ids, block_expert, num_post, N, max_padded, max_blocks, E=E, EP=EP, BM=block_m,
-            BLOCK=block, TAIL=TAIL, BB=BB, num_warps=4 if block * EP <= 4096 else 8)
+            BLOCK=block, TAIL=TAIL, BB=BB, num_warps=4 if block * EP <= 4096 else 8, **pdl_opts(ids))
         return sorted_ids, block_expert, num_post
     block = max(16, min(1024, 8192 // EP))
     nb = triton.cdiv(N, block)
@@ -616,9 +621,10 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
                     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     TOP_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+                    EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """inter[row, n] = act(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) for the BM rows of one expert block.
     N = I (intermediate size), K = H. Weights [E, 2I or I, H] via strides."""
+    pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_post_ptr):
         return
@@ -681,8 +687,9 @@ def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_po
                  num_pairs, N, K, num_pid_m, k_per_split,
                  stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_bs, stride_bp, stride_bn,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+                 EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """buf[split, pair, n] = rw[pair] * inter[row, k-range] @ w2[e, n, k-range]. N = H, K = I."""
+    pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
     if pid_m * BM >= tl.load(num_post_ptr):
@@ -722,9 +729,10 @@ def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_po
 @triton.jit
 def _combine_kernel(buf_ptr, out_ptr, shared_ptr, gate_ptr, N, stride_bs, stride_bp, stride_ot, stride_st, stride_gt,
                     TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    HAS_GATE: tl.constexpr):
+                    HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum_{split, j} buf[split, t*k + j] (fixed order: deterministic), plus the block's shared-expert
     output [T, N] (times sigmoid(gate[t]) with HAS_GATE) when given: one rounding where the block had two."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = offs < N
@@ -789,7 +797,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         TOP_K=top_k, GATED=bool(gated), INTERLEAVED=bool(interleaved), ACT=_ACT_ID[activation],
         BM=BM, BN=up["BN"], BK=up["BK"], GROUP_M=up["GROUP_M"], EVEN_K=H % up["BK"] == 0,
-        CAST_F32=cast, IEEE=ieee, num_warps=up["warps"], num_stages=up["stages"])
+        CAST_F32=cast, IEEE=ieee, num_warps=up["warps"], num_stages=up["stages"], **pdl_opts(x))
 
     split = max(1, int(down["SPLIT_K"]))
     k_per_split = triton.cdiv(triton.cdiv(I, down["BK"]), split) * down["BK"]
@@ -803,7 +811,8 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         buf.stride(0), buf.stride(1), buf.stride(2),
         BM=BM, BN=down["BN"], BK=down["BK"], GROUP_M=down["GROUP_M"], EVEN_K=k_per_split % down["BK"] == 0
-        and I % k_per_split == 0, CAST_F32=cast, IEEE=ieee, num_warps=down["warps"], num_stages=down["stages"])
+        and I % k_per_split == 0, CAST_F32=cast, IEEE=ieee, num_warps=down["warps"], num_stages=down["stages"],
+        **pdl_opts(x))
 
     assert out.stride(1) == 1
     bn = min(1024, triton.next_power_of_2(H))
@@ -813,7 +822,8 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     _launch(_combine_kernel)[(T, triton.cdiv(H, bn))](
         buf, out, sh if sh is not None else out, gate if gate is not None else out, H, buf.stride(0), buf.stride(1),
         out.stride(0), sh.stride(0) if sh is not None else 0, gate.stride(0) if gate is not None else 0,
-        TOP_K=top_k, SPLIT_K=split, BN=bn, HAS_SHARED=sh is not None, HAS_GATE=gate is not None, num_warps=4)
+        TOP_K=top_k, SPLIT_K=split, BN=bn, HAS_SHARED=sh is not None, HAS_GATE=gate is not None, num_warps=4,
+        **pdl_opts(out))
     return out
 
 

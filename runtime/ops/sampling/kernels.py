@@ -13,13 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..library import pdl_opts, pdl_start
+
 #: BLOCK logits per load; chunks of one block per program (a loop over a longer chunk runs its loads one after
 #: another: 20 us at B=64 with 4 chunks of 25 blocks per DeepSeek row), at most MAX_CHUNKS per row
 MAX_CHUNKS, BLOCK = 128, 1024
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -41,7 +44,8 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOC
 
 @triton.jit
 def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, pad_ptr, step_ptr, NCH, NCH_P: tl.constexpr,
-                        ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr):
+                        ADVANCE: tl.constexpr, HAS_PADS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, NCH_P)
     ok = offs < NCH
@@ -75,12 +79,13 @@ def argmax_triton(logits: torch.Tensor, advance: tuple | None = None) -> torch.T
     nch = triton.cdiv(V, chunk)
     vals = torch.empty(B, nch, dtype=torch.float32, device=logits.device)
     idx = torch.empty(B, nch, dtype=torch.int32, device=logits.device)
-    _argmax_chunks_kernel[(B, nch)](logits, vals, idx, V, logits.stride(0), chunk, nch, BLOCK=BLOCK, num_warps=4)
+    _argmax_chunks_kernel[(B, nch)](logits, vals, idx, V, logits.stride(0), chunk, nch, BLOCK=BLOCK, num_warps=4,
+                                    **pdl_opts(logits))
     ids, pos, pads, step = advance if advance is not None else (out, out, None, out)
     if advance is not None:
         assert all(t.dtype == torch.int64 and t.shape == (B,) and t.is_contiguous() for t in (ids, pos, step)) and (
             pads is None or (pads.dtype == torch.int64 and pads.shape == (B,))), "advance tensors must be int64 [B]"
     _argmax_rows_kernel[(B,)](vals, idx, out, ids, pos, pads if pads is not None else out, step, nch,
                               NCH_P=max(2, triton.next_power_of_2(nch)), ADVANCE=advance is not None,
-                              HAS_PADS=pads is not None, num_warps=1)
+                              HAS_PADS=pads is not None, num_warps=1, **pdl_opts(logits))
     return out

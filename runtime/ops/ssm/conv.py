@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..library import pdl_opts, pdl_start
 from .kernels import CONFIG, next_pow2
 
 
@@ -164,8 +165,9 @@ def _conv_update_kernel(
     C,
     sxb, sxc, sss, ssc, ssw, swc, swk, syb, syc,
     K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr,
-    SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid_c = tl.program_id(0)
     row = tl.program_id(1)
     if HAS_IDX:
@@ -213,6 +215,6 @@ def causal_conv1d_update_triton(
         x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         K=k, W=w, WP=next_pow2(w), HAS_BIAS=bias is not None, HAS_IDX=state_indices is not None,
-        SILU=_silu_flag(activation), BLOCK_C=bc, num_warps=cfg["num_warps"],
+        SILU=_silu_flag(activation), BLOCK_C=bc, num_warps=cfg["num_warps"], **pdl_opts(x),
     )
     return y

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..library import pdl_opts, pdl_start
 from .kernels import CONFIG, next_pow2
 
 
@@ -18,8 +19,9 @@ def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
     R, NG, GS, eps,
     sxm, szm, sym,
-    HAS_Z: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_Z: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # group-row index = row * NG + group
     j = tl.arange(0, BLOCK_G)
@@ -71,6 +73,6 @@ def gated_rms_norm_triton(
     wrap_triton(_gated_rms_norm_kernel)[(triton.cdiv(total, br),)](
         x2, z2, weight, out, total, ngroups, group_size, float(eps),
         x2.stride(0), z2.stride(0), out.stride(0),
-        HAS_Z=z is not None, BLOCK_R=br, BLOCK_G=bg, num_warps=nw,
+        HAS_Z=z is not None, BLOCK_R=br, BLOCK_G=bg, num_warps=nw, **pdl_opts(x2),
     )
     return out.reshape(x.shape)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..library import pdl_opts, pdl_start
 from .conv import silu
 from .kernels import CONFIG, next_pow2
 
@@ -142,8 +143,9 @@ def _selective_state_update_kernel(
     DIM, N,
     sss, ssd, ssn, sxb, sxd, sdtb, sdtd, sAd, sAn, sBb, sBn, sCb, sCn, szb, szd, syb, syd,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_IDX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid_d = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     if HAS_IDX:
@@ -210,6 +212,6 @@ def selective_state_update_triton(
         A.stride(0), A.stride(1), Bm.stride(0), Bm.stride(1), Cm.stride(0), Cm.stride(1), zz.stride(0),
         zz.stride(1), y.stride(0), y.stride(1),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DB=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        HAS_IDX=state_indices is not None, BLOCK_D=bd, BLOCK_N=bn, num_warps=cfg["num_warps"],
+        HAS_IDX=state_indices is not None, BLOCK_D=bd, BLOCK_N=bn, num_warps=cfg["num_warps"], **pdl_opts(x),
     )
     return y

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..library import pdl_opts, pdl_start
 from .conv import silu
 from .kernels import CONFIG, next_pow2
 
@@ -342,8 +343,9 @@ def _ssd_state_update_kernel(
     sss, ssh, ssp, ssn, sxb, sxh, sxp, sdtb, sdth, sBb, sBg, sBn, sCb, sCg, sCn, szb, szh, szp,
     syb, syh, syp,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_IDX: tl.constexpr, A_LOG: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDX: tl.constexpr, A_LOG: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     pb = pid % n_pblk
@@ -417,5 +419,6 @@ def ssd_state_update_triton(
         y.stride(2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DB=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
         HAS_IDX=state_indices is not None, A_LOG=bool(A_is_log), BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"],
+        **pdl_opts(x),
     )
     return y
