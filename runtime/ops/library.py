@@ -57,10 +57,22 @@ def pdl() -> bool:
     return _hopper_or_newer()
 
 
-def pdl_opts(t: torch.Tensor) -> dict:
-    """Launch options of a kernel that starts with ``pdl_start(PDL)``: programmatic dependent launch on Hopper."""
-    on = pdl() and t.is_cuda
+def pdl_opts(t: torch.Tensor, traced_ok: bool = False) -> dict:
+    """Launch options of a kernel that starts with ``pdl_start(PDL)``: programmatic dependent launch on Hopper,
+    for launches on real tensors. Under tracing (a triton_op body that torch.compile or opcheck traces) the
+    kernel is left without it: torch's analysis of which arguments a traced kernel writes cannot read the wait
+    instruction and then takes every tensor argument as written, cloning each; where one tensor fills two
+    pointer slots (a placeholder for an absent input) the clones part and the output is lost. ``traced_ok``:
+    the kernel's tensor arguments never alias (the linear kernels pass None for absent inputs)."""
+    on = pdl() and t.is_cuda and (traced_ok or not traced(t))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Is ``t`` seen while tracing (fake or functional tensors, a proxy mode, dynamo) rather than run on?"""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    return (type(t) not in (torch.Tensor, torch.nn.Parameter) or get_proxy_mode() is not None
+            or torch.compiler.is_compiling())
 
 
 @triton.jit

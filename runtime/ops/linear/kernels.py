@@ -255,7 +255,7 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
 
 def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
     """Warps, stages and programmatic dependent launch (``library.pdl``) for a launch of config ``cfg``."""
-    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **pdl_opts(x))
+    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **pdl_opts(x, traced_ok=True))
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
