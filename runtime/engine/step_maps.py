@@ -39,7 +39,8 @@ def step_maps(table: torch.Tensor, pads: torch.Tensor, width: int, q_len: int, b
 
 @triton.jit
 def _step_maps_kernel(table_ptr, pads_ptr, gather_ptr, writes_ptr, keep_ptr, lengths_ptr, table32_ptr, mha_table_ptr,
-                      mha_lens_ptr, width, nb, q_len, bs, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                      mha_lens_ptr, width, nb, q_len, bs, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Program (row b, BLOCK keys): keys k of the block (left-padded: key k holds position k - pad), their write
     slots, the row's table as int32 and its length; KV_HEADS > 0: the paged MHA rows (valid keys first)."""
     pdl_start(PDL)

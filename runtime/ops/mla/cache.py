@@ -16,7 +16,8 @@ from ..library import pdl_opts, pdl_start
 
 @triton.jit
 def _mla_cache_write_kernel(CACHE, LAT, ROPE, SLOTS, s_cb, s_cs, s_ln, s_ld, s_rn, s_rd, L, R,
-                            PAGE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+                            PAGE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                            PDL: tl.constexpr = False):
     pdl_start(PDL)
     n = tl.program_id(0)
     slot = tl.load(SLOTS + n).to(tl.int64)

@@ -224,7 +224,8 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
                         E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                         METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BM: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr = False):
+                        BM: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Decode's routing in one launch: route every row (BLOCK_T at a time), then align the T * k pairs from the
     ids this program just wrote; the barrier makes every thread's id stores visible to the loads that follow.
     Correct at any T; chosen at a few tokens (``route_align_triton``), where the route and align launches were

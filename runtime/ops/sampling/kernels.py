@@ -21,7 +21,8 @@ MAX_CHUNKS, BLOCK = 128, 1024
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_b, CHUNK, NCH, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
