@@ -57,14 +57,13 @@ def pdl() -> bool:
     return _hopper_or_newer()
 
 
-def pdl_opts(t: torch.Tensor, traced_ok: bool = False) -> dict:
+def pdl_opts(t: torch.Tensor) -> dict:
     """Launch options of a kernel that starts with ``pdl_start(PDL)``: programmatic dependent launch on Hopper,
     for launches on real tensors. Under tracing (a triton_op body that torch.compile or opcheck traces) the
     kernel is left without it: torch's analysis of which arguments a traced kernel writes cannot read the wait
     instruction and then takes every tensor argument as written, cloning each; where one tensor fills two
-    pointer slots (a placeholder for an absent input) the clones part and the output is lost. ``traced_ok``:
-    the kernel's tensor arguments never alias (the linear kernels pass None for absent inputs)."""
-    on = pdl() and t.is_cuda and (traced_ok or not traced(t))
+    pointer slots (a placeholder for an absent input) the clones part and the output is lost."""
+    on = pdl() and t.is_cuda and not traced(t)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

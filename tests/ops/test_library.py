@@ -22,8 +22,7 @@ def test_traced_tells_tracing_from_running():
 
 def test_pdl_only_for_launches_on_real_cuda_tensors(monkeypatch):
     """Where programmatic dependent launch is on (Hopper), a launch on real tensors gets it; a traced one does
-    not (torch's analysis of what a traced kernel writes cannot read the wait), unless the caller says its
-    tensor arguments never alias; CPU tensors never do."""
+    not (torch's analysis of what a traced kernel writes cannot read the wait); CPU tensors never do."""
     monkeypatch.setattr(library, "pdl", lambda: True)
 
     class Cuda(torch.Tensor):  # a real tensor that says it lives on the GPU
@@ -35,6 +34,5 @@ def test_pdl_only_for_launches_on_real_cuda_tensors(monkeypatch):
         fake = mode.from_tensor(real)
     monkeypatch.setattr(type(fake), "is_cuda", property(lambda self: True))
     assert library.pdl_opts(fake) == {"PDL": False}
-    assert library.pdl_opts(fake, traced_ok=True) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(library, "traced", lambda t: False)
     assert library.pdl_opts(real.as_subclass(Cuda)) == {"PDL": True, "launch_pdl": True}

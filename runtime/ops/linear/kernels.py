@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 from ..library import interpreting, pdl_opts, pdl_start
 from ..ssm.conv import conv_step_load, conv_step_store, silu
 
@@ -255,7 +254,7 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
 
 def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
     """Warps, stages and programmatic dependent launch (``library.pdl``) for a launch of config ``cfg``."""
-    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **pdl_opts(x, traced_ok=True))
+    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **pdl_opts(x))
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
