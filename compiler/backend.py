@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import torch
 from torch import fx
 
 from passes import PassContext, run_pipeline
+from runtime.ops.library import pdl
 
 from .options import Options
 from .report import GraphInfo, publish
@@ -43,6 +45,8 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
         return _inference(gm.forward, ctx.retrace, ctx.before_retrace)
     from torch._inductor.compile_fx import compile_fx
     patches = dict(opts.inductor_config)
+    if pdl() and hasattr(torch._inductor.config.triton, "enable_pdl") and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
+        patches.setdefault("triton.enable_pdl", True)  # Inductor's kernels launch like ours (unless the env says)
     if mode is not None:
         patches = {**torch._inductor.list_mode_options(mode), **patches}
     with torch.no_grad():

@@ -332,8 +332,8 @@ def _mla_merge_uv_kernel(PO, PLSE, W, O, H, L, V, NUM_SPLITS, s_wh, s_wv, s_ob, 
                          BLOCK_S: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     """Decode at a few sequences: the merge, then W_UV, in one launch. Program (token x head, BV columns of V):
     out[n, h, v] = sum_l round(o_lat[n, h, l]) * W_UV[h, v, l], o_lat rounded to the output dtype as the unfused
-    path stores it; fp32 products and sum. The W_UV tile's load does not wait for the partials."""
-    pdl_start(PDL)
+    path stores it; fp32 products and sum. The W_UV tile (a weight: the kernel before does not write it) is loaded
+    before the wait for the partials, so with PDL its read overlaps the attention kernel's tail."""
     pid = tl.program_id(0)
     n = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
@@ -341,6 +341,7 @@ def _mla_merge_uv_kernel(PO, PLSE, W, O, H, L, V, NUM_SPLITS, s_wh, s_wv, s_ob, 
     offs = tl.arange(0, BLOCK_L)
     w = tl.load(W + h * s_wh + offs_v[:, None] * s_wv + offs[None, :],
                 mask=(offs_v < V)[:, None] & (offs < L)[None, :], other=0.0)
+    pdl_start(PDL)
     o = _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L, BLOCK_S).to(O.dtype.element_ty).to(tl.float32)
     y = tl.sum(w.to(tl.float32) * o[None, :], 1)
     tl.store(O + n * s_ob + h * s_oh + offs_v, y.to(O.dtype.element_ty), mask=offs_v < V)
