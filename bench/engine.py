@@ -229,13 +229,17 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
 
 
 def parse_options(text: str) -> dict:
-    """``complex=0,verify=1`` -> {"complex": False, "verify": True}."""
+    """``complex=0,verify=1,inductor.combo_kernels=1`` -> {"complex": False, "verify": True,
+    "inductor_config": {"combo_kernels": True}}."""
     opts = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or value not in ("0", "1"):
             raise SystemExit(f"--compile-options: expected key=0 or key=1, got {item!r}")
-        opts[key] = value == "1"
+        if key.startswith("inductor."):
+            opts.setdefault("inductor_config", {})[key.removeprefix("inductor.")] = value == "1"
+        else:
+            opts[key] = value == "1"
     return opts
 
 
@@ -266,7 +270,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
     ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
     ap.add_argument("--compile-options", default="",
-                    help="backend options for the engine, e.g. complex=0,moe=1 (pass switches; 0/1 values)")
+                    help="backend options for the engine, e.g. complex=0,moe=1 (pass switches; 0/1 values); "
+                    "inductor.KEY=0/1: an Inductor config patch (inductor.combo_kernels=1)")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
     args = ap.parse_args()
