@@ -57,11 +57,6 @@ def pdl() -> bool:
     return _hopper_or_newer()
 
 
-def prefetch() -> bool:
-    """Experiment switch (HYBRID_PREFETCH=0: off): weights head for L2 before a PDL kernel's wait."""
-    return os.environ.get("HYBRID_PREFETCH", "1") == "1"
-
-
 def pdl_opts(t: torch.Tensor) -> dict:
     """Launch options of a kernel that starts with ``pdl_start(PDL)``: programmatic dependent launch on Hopper,
     for launches on real tensors. Under tracing (a triton_op body that torch.compile or opcheck traces) the
@@ -87,20 +82,6 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(rows, K):
-    """Ask L2 for the first K elements of each row (a pointer tensor of row starts, rows in bounds): one
-    ``prefetch.global.L2`` per 128-byte line, nothing loaded into registers, nothing waited for. Issued before
-    ``pdl_start`` for what the kernel before does not write (weights), so their reads from memory overlap that
-    kernel's tail; the kernel's own loads then find the lines in L2 (or in flight). Only where PDL is on (inline asm:
-    not for the interpreter, and never in a traced launch, see ``pdl_opts``)."""
-    LINE: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    for k in range(0, K, 32 * LINE):
-        cols = tl.minimum(k + tl.arange(0, 32) * LINE, K - 1)  # clamped: a line named twice is harmless
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [rows[:, None] + cols[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..library import interpreting, pdl_opts, pdl_start, prefetch, prefetch_l2
+from ..library import interpreting, pdl_opts, pdl_start
 from ..ssm.conv import conv_step_load, conv_step_store, silu
 
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
@@ -101,8 +101,8 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
                  s0, s1, s2, NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  r_ptr=None, s_ptr=None, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False):
+                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False):
+    pdl_start(PDL)  # launched early (programmatic dependent launch): wait for the kernel before
     pid = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
     nb1 = tl.cdiv(N1, BLOCK_N)
@@ -117,10 +117,6 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rn < N
-    if PDL and PREFETCH:  # launched early (programmatic dependent launch): the weight's slab heads for L2 while the
-        # kernel before still runs, then wait for it (the input and everything else come after)
-        prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride, K)
-    pdl_start(PDL)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -305,8 +301,7 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
                          ROUND=bool(rnd), h_ptr=x if h is None else h, WRITE_H=h is not None)
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3),
                            NUM_W=len(weights), HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn,
-                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **extra, **opts,
-                           PREFETCH=prefetch())
+                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **extra, **opts)
         return ys
     assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..library import interpreting, pdl_opts, pdl_start, prefetch, prefetch_l2, size_hint
+from ..library import interpreting, pdl_opts, pdl_start, size_hint
 from .reference import ACTIVATIONS, METHODS, check_route_args
 
 # ----------------------------------------------------------------------------------------------------------
@@ -187,16 +187,13 @@ def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, s
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stride_re, stride_rh, BK: tl.constexpr,
-                        ROUND: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                        ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """One (token, expert) logit on the CUDA cores (fp32 products of the widened operands, exact for 16-bit
     inputs): at a few tokens the router is a matrix-vector product, and a [16, 16] tensor-core tile per program
-    would leave all but E / 16 SMs idle. PREFETCH (PDL, rows of the weight contiguous): the expert's row heads for L2
-    before the wait for the input."""
+    would leave all but E / 16 SMs idle."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     e = tl.program_id(1)
-    if PDL and PREFETCH:
-        prefetch_l2(rw_ptr + e * stride_re + tl.zeros([1], dtype=tl.int64), H)
-    pdl_start(PDL)
     ks = tl.arange(0, BK)
     acc = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -417,8 +414,7 @@ def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: b
         # call; 4.2 us with 4 experts per program; 6.0 us for the [16, 16] tensor-core tiles)
         _launch(_router_gemv_kernel)[(T, E)](
             x, router_w, logits, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
-            BK=512, ROUND=rnd, num_warps=4, num_stages=3, PREFETCH=router_w.stride(1) == 1 and prefetch(),
-            **pdl_opts(x))
+            BK=512, ROUND=rnd, num_warps=4, num_stages=3, **pdl_opts(x))
         return logits
     if router_fp32:  # F.linear(x.float(), w.float()): 16-bit operands of one dtype multiply exactly in fp32
         dot_dtype = torch.float32 if x.dtype == torch.float32 or router_w.dtype != x.dtype else x.dtype
