@@ -246,11 +246,19 @@ def markdown(rows: list[dict], impls: list[str]) -> str:
 def sweep_candidates(T: int) -> list[dict]:
     small = T <= 64
     out = []
-    if small:
-        for bn_up, bk, stages, split in [(32, 128, 4, None), (64, 128, 4, None), (32, 256, 3, None),
-                                         (16, 256, 4, None), (64, 64, 5, None), (32, 128, 4, 1), (32, 128, 4, 8)]:
-            out.append(dict(BM=16, up=dict(BN=bn_up, BK=bk, GROUP_M=1, warps=4, stages=stages),
-                            down=dict(BN=64, BK=bk, GROUP_M=1, warps=4, stages=stages, SPLIT_K=split)))
+    if small:  # the gate/up kernel's variants with the default down, then the down kernel's with the default up
+        base = kernels._small()
+        for bn, bk, warps, stages in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4),
+                                      (64, 64, 4, 5), (32, 128, 8, 5), (64, 128, 8, 3), (16, 128, 4, 6),
+                                      (32, 64, 4, 6)]:
+            out.append(dict(BM=16, up=dict(BN=bn, BK=bk, GROUP_M=1, warps=warps, stages=stages),
+                            down=dict(base["down"])))
+        for bn, bk, split, warps, stages in [(32, 128, None, 4, 4), (128, 128, None, 4, 4), (64, 128, 1, 4, 4),
+                                             (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 2, 4, 4),
+                                             (32, 128, 4, 4, 4), (64, 64, 2, 4, 6), (64, 256, 1, 4, 3),
+                                             (128, 64, 2, 4, 5), (64, 128, 2, 8, 4), (32, 64, 4, 4, 6)]:
+            out.append(dict(BM=16, up=dict(base["up"]),
+                            down=dict(BN=bn, BK=bk, GROUP_M=1, warps=warps, stages=stages, SPLIT_K=split)))
     else:
         for bm, bn, bk, warps, stages in [(64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 8, 4),
                                           (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 128, 8, 3)]:
