@@ -44,14 +44,27 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
     if not opts.inductor:
         return _inference(gm.forward, ctx.retrace, ctx.before_retrace)
     from torch._inductor.compile_fx import compile_fx
-    patches = dict(opts.inductor_config)
-    if pdl() and hasattr(torch._inductor.config.triton, "enable_pdl") and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
-        patches.setdefault("triton.enable_pdl", True)  # Inductor's kernels launch like ours (unless the env says)
+    patches = {**_gpu_defaults(example_inputs), **opts.inductor_config}
     if mode is not None:
         patches = {**torch._inductor.list_mode_options(mode), **patches}
     with torch.no_grad():
         compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     return _inference(compiled, ctx.retrace, ctx.before_retrace)
+
+
+def _gpu_defaults(example_inputs: list) -> dict:
+    """Inductor settings for a CUDA graph, each overridable through ``inductor_config``. A decode step at batch 1 is
+    dozens of short kernels, so launches and the gaps between them count (H200, DeepSeek-V2-Lite shape, B=1:
+    bench/results/2026-11-30_engine_inductor_pdl_h200.md):
+    - ``triton.enable_pdl``: Inductor's kernels launch with programmatic dependent launch like ours
+      (``runtime.ops.library.pdl``), unless TORCHINDUCTOR_ENABLE_PDL says otherwise;
+    - ``combo_kernels``: independent small kernels (MLA's query and key RoPE, the key norm) become one launch."""
+    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        return {}
+    out = {"combo_kernels": True}
+    if pdl() and hasattr(torch._inductor.config.triton, "enable_pdl") and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
+        out["triton.enable_pdl"] = True
+    return out
 
 
 def _inference(fn, retrace: bool = False, before_retrace=()):

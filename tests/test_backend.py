@@ -42,6 +42,26 @@ def test_unknown_option_is_a_clear_error():
     assert opts.passes == {"moe": False, "ssm": False} and opts.verify
 
 
+def test_inductor_gets_the_gpu_defaults_and_user_config_wins(monkeypatch):
+    """A CUDA graph compiles with combo kernels (and Inductor's PDL on Hopper); a CPU graph with neither; a key in
+    options["inductor_config"] overrides the default. Checked on the patches compile_fx receives (fake CUDA inputs:
+    no GPU here)."""
+    import torch._inductor.compile_fx as cfx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiler.backend import hybrid_backend
+    seen = []
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, ex, config_patches=None: seen.append(config_patches) or gm)
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda_x = torch.empty(3, device="cuda")
+    hybrid_backend(gm, [cuda_x])
+    hybrid_backend(gm, [cuda_x], {"inductor_config": {"combo_kernels": False}})
+    hybrid_backend(gm, [torch.ones(3)])
+    assert seen[0]["combo_kernels"] is True and seen[1]["combo_kernels"] is False
+    assert seen[2] is None
+
+
 def test_disabled_pass_reports_skipped():
     model = zoo.build("mixtral")
     ids = prompt(model, 1, 5)
