@@ -64,10 +64,6 @@ def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [10944, 10944], 2048, norm=True) == kernels.GEMV_NORM  # groups too,
     assert pick_config(1, [102400], 2048, norm=True) is None  # not an lm_head (the dot kernel after the norm's)
     assert pick_config(2, [2048], 2048, norm=True) is None
-    assert pick_config(1, [2048], 2816, glu=True) == kernels.GEMV  # the SiLU-gated prologue: one row, one weight
-    assert pick_config(1, [14336], 4096, glu=True) is None  # 112 MB: the dot kernel's shape, which has no prologue
-    assert pick_config(1, [2048], 10944, glu=True) is None  # K > MAX_K: cuBLAS's split-K
-    assert pick_config(2, [2048], 2816, glu=True) is None
 
 
 def test_ops_dispatch(monkeypatch):
@@ -160,42 +156,6 @@ def test_gated_norm_linear_op(monkeypatch):
         ref = F.linear(gated_rms_norm_ref(xs, zs, nw, 1e-6, group).to(torch.bfloat16), w)
         assert True not in gated[1:] and y.shape == ref.shape
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("N,K,block_k,dtype", [(33, 130, 128, torch.float32), (40, 512, 128, torch.float32),
-                                               (9, 300, 1024, torch.float32), (24, 200, 64, torch.bfloat16)])
-def test_glu_prologue_matches_silu_mul_then_linear(N, K, block_k, dtype):
-    """silu(gate) * up as the gemv's prologue against the eager ops then F.linear (rounded in ``dtype`` as they
-    round): K not a multiple of the block, the gate a strided slice of a wider projection, bias."""
-    g = torch.Generator().manual_seed(N + K + block_k)
-    up = (torch.randn(1, K, generator=g) * 2).to(DEV, dtype)
-    gate = (torch.randn(1, K + 9, generator=g) * 2).to(DEV, dtype)[:, 4:K + 4]
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
-    bias = torch.randn(N, generator=g).to(DEV, dtype)
-    got = linear_triton(up, [w], bias, config=dict(kernels.GEMV, block_k=block_k), glu=gate)[0]
-    _close(got, F.silu(gate) * up, w, bias, tol=1e-5 if dtype == torch.float32 else 1e-2)
-
-
-def test_glu_linear_op(monkeypatch):
-    """The op: one launch with the prologue at one row; two rows, or a gate shaped unlike up, run the eager
-    activation then hybrid::linear, exactly."""
-    import runtime.ops  # noqa: F401
-    from runtime.ops.linear import ops
-    g = torch.Generator().manual_seed(12)
-    gate, up = (torch.randn(2, 1, 96, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
-    w = (torch.randn(40, 96, generator=g) / 96 ** 0.5).to(DEV, torch.bfloat16)
-    op = torch.ops.hybrid.glu_linear
-    if DEV == "cpu":
-        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
-    glu = []
-    real = ops.linear_triton
-    monkeypatch.setattr(ops, "linear_triton", lambda *a, **k: glu.append(k.get("glu") is not None) or real(*a, **k))
-    y = op(gate[:1], up[:1], w, None)
-    assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16 and glu == [True]
-    _close(y.view(1, 40), (F.silu(gate[:1]) * up[:1]).view(1, 96), w, tol=1e-2)
-    for gs, us in ((gate, up), (gate[:1, :, :1], up[:1])):  # two rows; a broadcast gate
-        y = op(gs, us, w, None)
-        assert torch.equal(y, torch.ops.hybrid.linear(F.silu(gs) * us, w, None)) and True not in glu[1:]
 
 
 def _conv_case(M, N, K, C, W, KW, seed, bias, conv_bias=None, layout="rows"):

@@ -13,8 +13,7 @@ H200 and some run a split-K reduction as a second kernel (bench/results/2026-11-
   Its CONV epilogue is Mamba2's conv update: at decode the in projection owns each conv channel's column, so it also
   shifts that channel's state and writes the conv output (one launch).
 - ``_gate``: HF's gated RMSNorm (Mamba2, one group) as a prologue of the gemv kernels (``gate=`` of
-  ``linear_triton``): Mamba2's norm and out projection in one launch. ``_glu``: a gated MLP's silu(gate) * up as the
-  down projection's prologue (``glu=``).
+  ``linear_triton``): Mamba2's norm and out projection in one launch.
 
 On Hopper both launch with programmatic dependent launch (``library.pdl_opts``): a kernel may be scheduled while the
 one before it drains; it waits (``library.pdl_start``) before its first load.
@@ -45,15 +44,6 @@ def _gate(x, z_ptrs, g_ptrs, ok):
     the input dtype before the projection): the same function, more precise."""
     z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
     return _weighted(x * silu(z), g_ptrs, ok)
-
-
-@triton.jit
-def _glu(x, z_ptrs, ok, dtype: tl.constexpr):
-    """A gated MLP's activation as a prologue (HF's ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, SiLU): x is the
-    up projection's output, z the gate's; silu(z) and its product with x rounded to ``dtype`` as HF's eager ops
-    round them."""
-    z = tl.load(z_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return (silu(z).to(dtype).to(tl.float32) * x).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -111,7 +101,7 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
                  s0, s1, s2, NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  r_ptr=None, s_ptr=None, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False, GLU: tl.constexpr = False):
+                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False):
     pdl_start(PDL)  # launched early (programmatic dependent launch): wait for the kernel before
     pid = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
@@ -141,8 +131,6 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
         if GATED:
             x, h2 = _gate(x, z_ptr + cols, g_ptr + cols, cols < K)
             sq += h2
-        if GLU:
-            x = _glu(x, z_ptr + cols, cols < K, w0_ptr.dtype.element_ty)
         if NORM:
             x, h2 = _norm_in(x, r_ptr + cols, s_ptr + cols, g_ptr + cols, cols < K, pid == 0, HAS_RES, ROUND,
                              w0_ptr.dtype.element_ty)
@@ -239,13 +227,11 @@ GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
 GEMV_NORM = dict(kind="gemv", block_n=8, block_k=512, warps=4, stages=4)
 
 
-def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool = False, glu: bool = False
-                ) -> dict | None:
+def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool = False) -> dict | None:
     """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS.
     2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
     (``bench/linear.py --sweep``); below that cuBLAS is as fast. gated (a gated RMSNorm prologue, one weight):
-    one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``. glu (a
-    gated MLP's SiLU activation as the gemv's prologue): one row, the weights the gemv kernel takes without it."""
+    one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
     if norm:  # one row, weights below 128 MB: the gemv kernel (the dot kernel's prologue ran 1.7-3.5x slower). In
@@ -254,8 +240,6 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
         # kernel costs: None there, and below one row (the norm kernel, then hybrid::linear)
         return GEMV_NORM if M == 1 and sum(Ns) * K * 2 < 128 << 20 else None
     nbytes = Ns[0] * K * 2
-    if glu:  # one row, one weight the gemv kernel takes anyway (the dot kernel has no prologue)
-        return GEMV if M == 1 and len(Ns) == 1 and nbytes < 40 << 20 else None
     if gated:  # one row: at 2-16 rows the dot kernel (prologue in the dot operand's layout, redundant per warp)
         # reached 7% of the bandwidth and a multi-row CUDA-core gemv 12-41% (bench/linear.py --gated): cuBLAS
         return GEMV_GATED if M == 1 and nbytes < 40 << 20 else None
@@ -274,8 +258,8 @@ def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
-                  config: dict | None = None, gate: tuple | None = None, norm: tuple | None = None,
-                  glu: torch.Tensor | None = None) -> list[torch.Tensor]:
+                  config: dict | None = None, gate: tuple | None = None, norm: tuple | None = None
+                  ) -> list[torch.Tensor]:
     """x [M, K] (rows contiguous), weights [N_i, K] (rows contiguous; 1-3 of them, gemv: M == 1; bias only with one
     weight) -> [x @ w_i^T (+ bias)] in the weights' dtype.
 
@@ -283,11 +267,10 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     (one group of K; see ``_gate``), x and z in any float dtype. One weight only.
     norm = (norm weight [K], eps, r, s, round[, h]): the input is first HF's RMSNorm of x, or of x + r when r (like x)
     is given, the sum written to s [M, K] (its dtype: the add's); round: the norm's input rounded to the weights' dtype
-    (see ``_norm_in``); h [M, K]: the norm's output written there too (``_write_normed``). The gemv kernel (one row).
-    glu = z [M, K] (rows contiguous, x's dtype): the input is silu(z) * x (``_glu``). The gemv kernel, one weight."""
+    (see ``_norm_in``); h [M, K]: the norm's output written there too (``_write_normed``). The gemv kernel (one row)."""
     M, K = x.shape
     Ns = [w.shape[0] for w in weights]
-    cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None, glu is not None)
+    cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None)
     assert cfg is not None, f"no Triton config for M={M}, N={Ns}, K={K}: use F.linear"
     assert all(w.shape[1] == K and w.stride(1) == 1 for w in weights) and x.stride(1) == 1, \
         "x and the weights must have contiguous rows of K"
@@ -298,9 +281,7 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     if M == 0:
         return ys
     b = bias if bias is not None else x  # a valid pointer, never read
-    assert glu is None or (len(weights) == 1 and gate is None and norm is None and glu.shape == x.shape
-                           and glu.stride(1) == 1), "glu: z like x, one weight, no other prologue"
-    z, g, eps = gate if gate is not None else (glu if glu is not None else x, x, 0.0)
+    z, g, eps = gate if gate is not None else (x, x, 0.0)
     even_k = K % cfg["block_k"] == 0
     opts = _launch_opts(cfg, x)
     if cfg["kind"] == "gemv":
@@ -320,11 +301,11 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
                          ROUND=bool(rnd), h_ptr=x if h is None else h, WRITE_H=h is not None)
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3),
                            NUM_W=len(weights), HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn,
-                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, GLU=glu is not None, **extra, **opts)
+                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **extra, **opts)
         return ys
     assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]
-    assert gate is None and norm is None and glu is None, "the dot kernel has no prologue (the gemv kernel has)"
+    assert gate is None and norm is None, "the dot kernel has no norm prologue (the gemv kernel has)"
     bn = max(16, cfg["block_n"])
     _skinny_dot_kernel[(triton.cdiv(Ns[0], bn),)](x, w, b, y, M, Ns[0], K, x.stride(0), w.stride(0), y.stride(0),
                                                   *[x] * 4, *[0] * 8, HAS_BIAS=bias is not None, BLOCK_N=bn,

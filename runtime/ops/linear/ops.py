@@ -1,5 +1,5 @@
 """``hybrid::linear``, ``hybrid::linear_group``, ``hybrid::gated_norm_linear``, ``hybrid::norm_linear``,
-``hybrid::linear_conv``, ``hybrid::glu_linear``: opaque custom ops that pick their kernel per call.
+``hybrid::linear_conv``: opaque custom ops that pick their kernel per call.
 
 The row count is only known per call (one graph serves every batch size), so the choice is made at run time:
 one row on CUDA in fp16/bf16 (or up to 16 rows times an lm_head-sized weight) -> the Triton kernels (kernels.py,
@@ -7,7 +7,7 @@ one row on CUDA in fp16/bf16 (or up to 16 rows times an lm_head-sized weight) ->
 The fake implementations give shapes only. ``linear_group`` computes 1-3 linears of one input in one launch;
 ``gated_norm_linear`` is Mamba2's gated RMSNorm and out projection in one launch, ``norm_linear`` an RMSNorm (with
 the residual add before it) and the linears that read it, ``linear_conv`` Mamba2's decode in projection and conv
-update, ``glu_linear`` a gated MLP's activation (silu(gate) * up) and its down projection.
+update.
 """
 from __future__ import annotations
 
@@ -29,11 +29,10 @@ def _rows(t: Tensor) -> Tensor:
 
 def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], prologue: str = "") -> Optional[Tensor]:
     """x as [M, K] rows when the Triton kernels take this call, else None. prologue ("gated" / "norm"): x is a norm's
-    input, of any float dtype; "glu": x is the up projection's output, in the weights' dtype."""
-    norm_input = prologue in ("gated", "norm")
-    if not use_triton(x) or x.dim() == 0 or not (x.dtype in DTYPES or norm_input and x.is_floating_point()):
+    input, of any float dtype."""
+    if not use_triton(x) or x.dim() == 0 or not (x.dtype in DTYPES or prologue and x.is_floating_point()):
         return None
-    dtype = weights[0].dtype if norm_input else x.dtype
+    dtype = weights[0].dtype if prologue else x.dtype
     if dtype not in DTYPES:
         return None
     if any(w.dtype != dtype or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device for w in weights):
@@ -42,7 +41,7 @@ def _triton_rows(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], prolo
         return None
     K = x.shape[-1]
     if K == 0 or pick_config(x.numel() // K, [w.shape[0] for w in weights], K, prologue == "gated",
-                             prologue == "norm", prologue == "glu") is None:
+                             prologue == "norm") is None:
         return None
     return _rows(x)
 
@@ -96,24 +95,6 @@ def gated_norm_linear(x: Tensor, z: Tensor, norm_weight: Tensor, eps: float, gro
 @gated_norm_linear.register_fake
 def _(x, z, norm_weight, eps, group_size, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
-
-
-@torch.library.custom_op(op_name("glu_linear"), mutates_args=())
-def glu_linear(gate: Tensor, up: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``F.linear(F.silu(gate) * up, weight, bias)``: a gated MLP's activation and down projection. One row on CUDA:
-    one launch, the activation as the gemv kernel's prologue (``kernels._glu``, rounded as the eager ops round);
-    otherwise the two eager ops, then ``hybrid::linear``."""
-    rows = None
-    if gate.shape == up.shape and gate.dtype == up.dtype and gate.device == up.device:
-        rows = _triton_rows(up, [weight], bias, "glu")
-    if rows is None:
-        return torch.ops.hybrid.linear(F.silu(gate) * up, weight, bias)
-    return linear_triton(rows, [weight], bias, glu=_rows(gate))[0].view(*up.shape[:-1], weight.shape[0])
-
-
-@glu_linear.register_fake
-def _(gate, up, weight, bias=None):
-    return up.new_empty((*up.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op(op_name("linear_conv"), mutates_args={"conv_state"})
