@@ -43,9 +43,9 @@ def test_unknown_option_is_a_clear_error():
 
 
 def test_inductor_gets_the_gpu_defaults_and_user_config_wins(monkeypatch):
-    """A CUDA graph compiles with combo kernels (and Inductor's PDL on Hopper); a CPU graph with neither; a key in
-    options["inductor_config"] overrides the default. Checked on the patches compile_fx receives (fake CUDA inputs:
-    no GPU here)."""
+    """A CUDA graph compiles with combo kernels (and Inductor's PDL where ours is on: Hopper, HYBRID_PDL not 0); a CPU
+    graph with neither; a key in options["inductor_config"] or TORCHINDUCTOR_ENABLE_PDL in the environment overrides
+    the default. Checked on the patches compile_fx receives (fake CUDA inputs: no GPU here)."""
     import torch._inductor.compile_fx as cfx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -60,6 +60,12 @@ def test_inductor_gets_the_gpu_defaults_and_user_config_wins(monkeypatch):
     hybrid_backend(gm, [torch.ones(3)])
     assert seen[0]["combo_kernels"] is True and seen[1]["combo_kernels"] is False
     assert seen[2] is None
+    monkeypatch.setattr("compiler.backend.pdl", lambda: True)  # as on a Hopper GPU
+    hybrid_backend(gm, [cuda_x])
+    assert seen[3]["triton.enable_pdl"] is True and "triton.enable_pdl" not in seen[0]
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
+    hybrid_backend(gm, [cuda_x])
+    assert "triton.enable_pdl" not in seen[4]
 
 
 def test_disabled_pass_reports_skipped():
