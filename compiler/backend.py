@@ -53,7 +53,7 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
 
 
 def _gpu_defaults(example_inputs: list) -> dict:
-    """Inductor settings for a CUDA graph, each overridable through ``inductor_config``. A decode step at batch 1 is
+    """Inductor settings for a graph on CUDA tensors, each overridable through ``inductor_config``. A decode step at batch 1 is
     dozens of short kernels, so launches and the gaps between them count (H200, DeepSeek-V2-Lite shape, B=1:
     bench/results/2026-11-30_engine_inductor_pdl_h200.md):
     - ``triton.enable_pdl``: Inductor's kernels launch with programmatic dependent launch like ours

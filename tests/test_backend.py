@@ -43,7 +43,7 @@ def test_unknown_option_is_a_clear_error():
 
 
 def test_inductor_gets_the_gpu_defaults_and_user_config_wins(monkeypatch):
-    """A CUDA graph compiles with combo kernels (and Inductor's PDL where ours is on: Hopper, HYBRID_PDL not 0); a CPU
+    """A graph on CUDA tensors compiles with combo kernels (and Inductor's PDL where ours is on: Hopper, HYBRID_PDL not 0); a CPU
     graph with neither; a key in options["inductor_config"] or TORCHINDUCTOR_ENABLE_PDL in the environment overrides
     the default. Checked on the patches compile_fx receives (fake CUDA inputs: no GPU here)."""
     import torch._inductor.compile_fx as cfx
