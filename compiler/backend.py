@@ -58,7 +58,8 @@ def _gpu_defaults(example_inputs: list) -> dict:
     bench/results/2026-11-30_engine_inductor_pdl_h200.md):
     - ``triton.enable_pdl``: Inductor's kernels launch with programmatic dependent launch like ours
       (``runtime.ops.library.pdl``), unless TORCHINDUCTOR_ENABLE_PDL says otherwise;
-    - ``combo_kernels``: independent small kernels (MLA's query and key RoPE, the key norm) become one launch."""
+    - ``combo_kernels``: independent small kernels (MLA's RoPE and norm glue: four kernels per layer -> three) share
+      a launch."""
     if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         return {}
     out = {"combo_kernels": True}
