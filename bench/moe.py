@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.common import environment  # noqa: E402
 from runtime.ops.moe import kernels, reference  # noqa: E402
 
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
@@ -465,9 +466,7 @@ def main(argv=None) -> int:
         print(markdown(rows, impls), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                    triton=triton.__version__, transformers=transformers.__version__, dtype=str(dtype),
-                    configs={str(k): v for k, v in kernels.MOE_CONFIGS.items()})
+        meta = dict(environment(), dtype=str(dtype), configs={str(k): v for k, v in kernels.MOE_CONFIGS.items()})
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, sweeps=sweeps, failures=failures), indent=1,
                                              default=str))
         log(f"wrote {args.out}")

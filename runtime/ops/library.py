@@ -76,9 +76,10 @@ def traced(t: torch.Tensor) -> bool:
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """First statement of a kernel launched with ``pdl_opts``: wait until the kernel before it has finished and its
-    writes are visible (nothing is read before this), then let the next kernel launch: its programs get scheduled
-    while this one runs and wait in their own ``pdl_start``. The launch latency hides behind this kernel's work."""
+    """Start of a kernel launched with ``pdl_opts``: wait until the kernel before it has finished and its writes are
+    visible (nothing an earlier kernel may write is read before this; a weight may be), then let the next kernel
+    launch: its programs get scheduled while this one runs and wait in their own ``pdl_start``. The launch latency
+    hides behind this kernel's work."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
