@@ -417,6 +417,15 @@ def compile_check() -> None:
         k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=cfg["num_warps"]))
         log(f"{kern.fn.__name__} {cfg}: {ptxas_info(ptxas, k)}")
+    from runtime.ops.mla import step
+    kern = step._mla_step_prep_kernel
+    for block_b in (16, step.CONFIG["max_block_b"]):
+        ptrs = dict(QN="*bf16", W="*bf16", QL="*bf16", KV="*bf16", NW="*bf16", KR="*bf16", SLOTS="*i64", CACHE="*bf16")
+        cx = dict(BLOCK_B=block_b, BLOCK_P=128, BLOCK_L=step.CONFIG["block_l"], BLOCK_LN=L, BLOCK_R=R, IEEE=False)
+        sig = {n: "constexpr" if n in cx else ptrs.get(n, "fp32" if n == "eps" else "i32") for n in kern.arg_names}
+        k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=step.CONFIG["num_warps"]))
+        log(f"_mla_step_prep_kernel BLOCK_B={block_b} {step.CONFIG}: {ptxas_info(ptxas, k)}")
 
 
 def ptxas_info(ptxas, k) -> str:

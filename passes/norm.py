@@ -45,7 +45,7 @@ def rmsnorm_eps(m: torch.nn.Module | None) -> float | None:
     return float(eps) if isinstance(eps, (float, int)) and not isinstance(eps, bool) else None
 
 
-def _probe(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str | None:
+def rmsnorm_problem(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str | None:
     """None when the module computes HF's RMSNorm on ``dtype`` input, else why not."""
     from runtime.ops.linear.norm import add_rms_norm_ref
     w = m.weight
@@ -156,7 +156,7 @@ class FuseNorm:
         if pick_config(1, Ns, wv.shape[1], norm=True) is None:
             return (f"the one-row prologue does not take its linear ({'+'.join(map(str, Ns))} x {wv.shape[1]}: an "
                     "lm_head-sized weight or K > 8192, where the norm kernel, then the dot kernel or cuBLAS, are faster)")
-        problem = _probe(m, eps, tv.dtype)
+        problem = rmsnorm_problem(m, eps, tv.dtype)
         if problem:
             return problem
         # the norm's source: t, or what t casts (when only the norm reads the cast); a residual add there becomes part

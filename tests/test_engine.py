@@ -88,11 +88,9 @@ def test_paged_attention_equals_sdpa_over_gathered_keys(monkeypatch, triton):
         torch.testing.assert_close(out[i, 0], ref[:, 0], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
-def test_mla_decode_attends_over_the_pages_in_place(name, monkeypatch):
-    """Decode graphs of DeepSeek models read the paged latent cache in place (hybrid::mla_attention_paged):
-    the explain report says so, no gather of the cache (hybrid::paged_gather) is left in them, and tokens
-    stay HF's with bucket padding and blocks of 4."""
+def _compile_recording(monkeypatch, model, **kw):
+    """Generate PROMPTS with the engine's hybrid-eager compile -> (outputs, the call targets of every graph after the
+    passes, the MLA regions' explain notes)."""
     import compiler.backend
     from compiler.report import collect
     graphs = []
@@ -100,20 +98,66 @@ def test_mla_decode_attends_over_the_pages_in_place(name, monkeypatch):
 
     def recording(ctx, passes):
         counts = run_pipeline(ctx, passes)
-        graphs.append({str(n.target) for n in ctx.gm.graph.nodes if n.op == "call_function"})
+        graphs.append({str(n.target) for n in ctx.gm.graph.nodes if n.op in ("call_function", "call_method")})
         return counts
     monkeypatch.setattr(compiler.backend, "run_pipeline", recording)
     with collect() as report:
-        engine = Engine(zoo.build(name), compile="hybrid-eager", bucket_decode=True, max_num_seqs=3, block_size=4)
+        engine = Engine(model, compile="hybrid-eager", bucket_decode=True, max_num_seqs=3, block_size=4, **kw)
         outs = engine.generate(PROMPTS, SamplingParams(max_tokens=6))
     torch._dynamo.reset()
+    return outs, graphs, [r.reason for r in report.results if r.kind == "mla"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_mla_decode_attends_over_the_pages_in_place(name, monkeypatch):
+    """Decode graphs of DeepSeek models read the paged latent cache in place and write the step's row themselves
+    (hybrid::mla_decode_step: kv_a_layernorm, the cache write and the absorbed query in one launch, then attention
+    over the pages): the explain report says so, no gather of the cache (hybrid::paged_gather) and no index_copy_ is
+    left in them, and tokens stay HF's with bucket padding and blocks of 4."""
+    outs, graphs, notes = _compile_recording(monkeypatch, zoo.build(name))
     for out, prompt in zip(outs, PROMPTS):
         assert out.token_ids == hf_greedy(name, prompt, 6), (name, prompt)
     # prefill graphs never hold the gather: it must be gone from every graph, and decode graphs attend paged
-    assert any("mla_attention_paged" in t for g in graphs for t in g), graphs
+    decode = [g for g in graphs if any("mla_decode_step" in t for t in g)]
+    assert decode, graphs
     assert not any("paged_gather" in t for g in graphs for t in g), graphs
-    notes = [r.reason for r in report.results if r.kind == "mla"]
-    assert any("paged latent cache in place" in n for n in notes), notes
+    assert not any("index_copy_" in g for g in decode), decode
+    assert any("paged latent cache in place" in n and "cache write and query absorption are one launch" in n
+               for n in notes), notes
+
+
+class _OnePlusWeightNorm(torch.nn.Module):
+    """Gemma's RMSNorm, (1 + w) * norm(x): holds what an RMSNorm holds, computes something else."""
+
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n) * 0.3)
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        t = x.float()
+        return ((1 + self.weight.float()) * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+                ).to(x.dtype)
+
+
+def test_mla_decode_leaves_a_cache_write_it_cannot_prove(monkeypatch):
+    """A kv_a_layernorm whose math is not RMSNorm's (the norm pass's probe says so): the decode step still attends
+    over the pages in place (hybrid::mla_attention_paged), the norm and the cache write stay in the graph, the explain
+    report says why, and tokens equal the uncompiled engine's on the same model."""
+    def model():
+        torch.manual_seed(0)
+        m = zoo.build("deepseek_v2")
+        for layer in m.model.layers:
+            attn = layer.self_attn
+            attn.kv_a_layernorm = _OnePlusWeightNorm(attn.kv_a_layernorm.weight.shape[0], 1e-6)
+        return m
+    want = Engine(model(), compile=None, bucket_decode=True, max_num_seqs=3, block_size=4).generate(
+        PROMPTS, SamplingParams(max_tokens=6))
+    outs, graphs, notes = _compile_recording(monkeypatch, model())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert not any("mla_decode_step" in t for g in graphs for t in g), graphs
+    assert any("mla_attention_paged" in t for g in graphs for t in g), graphs
+    assert any("cache write is left to Inductor: kv_a_layernorm: its math is not RMSNorm's" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "jamba"])

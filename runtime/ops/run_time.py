@@ -1,7 +1,7 @@
 """Run-time twins of the hybrid ops whose launch configs depend on the token count.
 
-``hybrid::moe_block``, ``hybrid::moe_experts``, ``hybrid::mla_attention``, ``hybrid::mla_attention_paged`` and
-``hybrid::selective_scan`` are triton_ops: torch.compile traces their bodies, so each launch-config choice
+``hybrid::moe_block``, ``hybrid::moe_experts``, ``hybrid::mla_attention``, ``hybrid::mla_attention_paged``,
+``hybrid::mla_decode_step`` and ``hybrid::selective_scan`` are triton_ops: torch.compile traces their bodies, so each launch-config choice
 (MoE token bucket, MLA split count, absorbed vs expanded path, the scan's chunking) is made on the symbolic
 size and becomes a guard. A graph with a dynamic batch then recompiles whenever the batch crosses
 a bucket boundary (10-30 s on the H200 for the realistic-width zoo models).
@@ -56,6 +56,11 @@ def _mla_attention_paged_fake(q_nope, q_rope, buf, block_table, seq_lens, kv_b_w
     return _mla_attention_fake(q_nope, q_rope, None, None, kv_b_weight)
 
 
+def _mla_decode_step_fake(q_nope, q_rope, kv, norm_weight, k_rope, buf, write_slots, block_table, seq_lens,
+                          kv_b_weight, *args):
+    return _mla_attention_fake(q_nope, q_rope, None, None, kv_b_weight)
+
+
 def _selective_scan_fake(u, delta, A, *args):
     b, d, _ = u.shape
     return u.new_empty(u.shape), u.new_empty((b, d, A.shape[-1]), dtype=torch.float32)
@@ -71,4 +76,5 @@ def register() -> None:
     _define_twin(torch.ops.hybrid.moe_experts.default, _same_as_x_fake)
     _define_twin(torch.ops.hybrid.mla_attention.default, _mla_attention_fake)
     _define_twin(torch.ops.hybrid.mla_attention_paged.default, _mla_attention_paged_fake)
+    _define_twin(torch.ops.hybrid.mla_decode_step.default, _mla_decode_step_fake)
     _define_twin(torch.ops.hybrid.selective_scan.default, _selective_scan_fake)

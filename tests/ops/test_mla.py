@@ -377,6 +377,66 @@ def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("B", [1, 3, 17])
+def test_decode_step_prep_kernel_matches_reference(B, monkeypatch):
+    """The decode step's first launch (runtime/ops/mla/step.py): kv_a_layernorm + the row write into the pages + the
+    absorbed query, Triton against the torch reference: q_lat and every cache row (written rows and untouched ones),
+    3 heads, L = 40 and P = 24 (not powers of two), R = 6, a strided q (a view of the projection's output), 17
+    sequences over two 16-row tiles."""
+    H, P, L, R, V = 3, 24, 40, 6, 12
+    g = torch.Generator().manual_seed(B)
+    proj = torch.randn(B, H * (P + R), generator=g).to(DEV)
+    q_nope = proj.view(B, H, P + R)[:, :, :P]                           # strided, as the engine's graph has it
+    w_uk = (torch.randn(H * (P + V), L, generator=g) * 0.2).to(DEV).view(H, P + V, L)[:, :P]
+    kv = (torch.randn(B, L + R, generator=g) * 3).to(DEV)[:, :L]
+    norm_w, k_rope = torch.randn(L, generator=g).to(DEV), torch.randn(B, R, generator=g).to(DEV)
+    buf = torch.randn(64, 1, L + R, generator=g).to(DEV)
+    slots = torch.randperm(63, generator=g)[:B].add(1).to(DEV)
+    from runtime.ops.mla import step
+    want_buf = buf.clone()
+    want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)
+    _triton_ops(monkeypatch)
+    got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(buf, want_buf, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want_buf[slots], torch.zeros_like(want_buf[slots]))
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_decode_step_equals_write_then_paged_attention(impl, monkeypatch):
+    """hybrid::mla_decode_step = the steps it replaces in the engine's decode graph: HF's RMSNorm of the new latent,
+    the row [latent | k_rope] written with index_copy_, then hybrid::mla_attention_paged over the pages (block size 4,
+    lengths 1 / 6 / 17, each sequence's new token the last one it attends)."""
+    from runtime.ops.mla.paged import mla_attention_paged, mla_decode_step
+    from runtime.ops.linear.norm import add_rms_norm_ref
+    if impl == "triton":
+        _triton_ops(monkeypatch)
+    g = torch.Generator().manual_seed(12)
+    H, P, R, V, L, bs = 3, 16, 8, 12, 32, 4
+    lengths = [1, 6, 17]
+    nb = 12
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    table = torch.zeros(len(lengths), 5, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // bs)):
+            table[b, j] = perm.pop()
+    slots = torch.tensor([int(table[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lengths)])
+    buf = torch.randn(nb * bs, 1, L + R, generator=g).to(DEV)
+    weight = (torch.randn(H * (P + V), L, generator=g) * 0.2).to(DEV)
+    q_nope, q_rope = torch.randn(3, H, 1, P, generator=g).to(DEV), torch.randn(3, H, 1, R, generator=g).to(DEV)
+    kv, k_rope = torch.randn(3, 1, L, generator=g).to(DEV), torch.randn(3, 1, 1, R, generator=g).to(DEV)
+    norm_w = torch.randn(L, generator=g).to(DEV)
+    table, seq_lens, slots = table.to(DEV), torch.tensor(lengths, dtype=torch.int32, device=DEV), slots.to(DEV)
+    want_buf = buf.clone()
+    rows = torch.cat([add_rms_norm_ref(kv, None, norm_w, 1e-5, False, torch.float32)[0], k_rope[:, 0]], -1)
+    want_buf.index_copy_(0, slots, rows.view(3, 1, L + R))
+    want = mla_attention_paged(q_nope, q_rope, want_buf, table, seq_lens, weight, block_size=bs, scale=SCALE)
+    got = mla_decode_step(q_nope, q_rope, kv, norm_w, k_rope, buf, slots, table, seq_lens, weight, eps=1e-5,
+                          block_size=bs, scale=SCALE)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(buf, want_buf, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- compile
 def test_ops_under_torch_compile():
     """Cache write (mutating) + decode through Inductor on CPU (reference bodies), one graph."""
@@ -430,3 +490,24 @@ def test_bf16_deepseek_widths(H):
         want = ref.mla_attention_dense_ref(ql, qr, lat, krope, m, causal, scale)
         got = kernels.mla_attention_dense_triton(ql, qr, lat, krope, m, causal, scale)
         torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels at DeepSeek widths need a GPU")
+@pytest.mark.parametrize("B", [1, 5, 64])
+def test_bf16_decode_step_prep_deepseek_widths(B):
+    """The decode step's prep kernel in bf16 at DeepSeek-V2-Lite widths (16 heads, P 128, L 512, R 64; one tile of
+    16 sequences and one of 64) against the reference on the same bf16 inputs."""
+    from runtime.ops.mla import step
+    H, P, L, R, V, bf16 = 16, 128, 512, 64, 128, torch.bfloat16
+    proj = randn(B, H * (P + R), dtype=bf16)
+    q_nope = proj.view(B, H, P + R)[:, :, :P]
+    w_uk = (randn(H * (P + V), L) * 0.05).to(bf16).view(H, P + V, L)[:, :P]
+    kv = (randn(B, L + R) * 3).to(bf16)[:, :L]
+    norm_w, k_rope = randn(L, dtype=bf16), randn(B, R, dtype=bf16)
+    buf = randn(4096, 1, L + R, dtype=bf16)
+    slots = torch.randperm(4096, device=DEV)[:B]
+    want_buf = buf.clone()
+    want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)
+    got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(buf.float(), want_buf.float(), rtol=1e-2, atol=1e-2)
