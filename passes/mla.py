@@ -250,12 +250,12 @@ def _step_write(ctx: PassContext, region: Region, m, buf: fx.Node, gather: fx.No
     except RewriteError as e:
         raise Skip(str(e)) from None
     g = torch.Generator(device="cpu").manual_seed(6)
-    lat_x = torch.randn([concrete(s) for s in node_value(outs[0]).shape], generator=g)
-    rope_x = torch.randn([concrete(s) for s in node_value(k_rope).shape], generator=g)
+    lat_x, rope_x = (torch.randn([concrete(s) for s in node_value(n).shape], generator=g).to(node_value(n).dtype)
+                     for n in (outs[0], k_rope))
     with eager_probe():
         got = sub(lat_x, rope_x)
-    want = torch.cat([lat_x.reshape(b, lat_dim), rope_x.reshape(b, rope_dim)], -1).view(b, 1, -1)
-    if tuple(got.shape) != tuple(want.shape) or not torch.equal(got.float(), want):
+    want = torch.cat([lat_x.reshape(b, lat_dim), rope_x.reshape(b, rope_dim)], -1).view(b, 1, -1).to(row_v.dtype)
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want):
         raise Skip("the written rows are not [latent | rope key] per sequence (probe)")
     return _StepWrite(kv, weight, eps, k_rope, slots, norm_nodes + assembly + [write], sizes)
 

@@ -160,6 +160,16 @@ def test_mla_decode_leaves_a_cache_write_it_cannot_prove(monkeypatch):
     assert any("cache write is left to Inductor: kv_a_layernorm: its math is not RMSNorm's" in n for n in notes), notes
 
 
+def test_mla_decode_step_fires_in_bf16(monkeypatch):
+    """The engine's bf16 decode graphs (what the GPU runs) take the fused step too: the written rows' probe runs in
+    the graph's dtypes. Tokens equal the uncompiled engine's on the same bf16 model."""
+    want = Engine(zoo.build("deepseek_v2", dtype=torch.bfloat16), compile=None, bucket_decode=True, max_num_seqs=3,
+                  block_size=4).generate(PROMPTS, SamplingParams(max_tokens=6))
+    outs, graphs, notes = _compile_recording(monkeypatch, zoo.build("deepseek_v2", dtype=torch.bfloat16))
+    assert any("mla_decode_step" in t for g in graphs for t in g), notes
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+
+
 @pytest.mark.parametrize("name", ["deepseek_v2", "jamba"])
 def test_cache_isolation(name):
     """A sequence produces the same tokens alone and sharing every batch with others."""
