@@ -1,6 +1,7 @@
 """Graph passes, one per file, run in the fixed order of :data:`PIPELINE`."""
 from .base import PassContext, RegionPass, RegionResult, Skip
 from .complex import LowerComplex
+from .glu import FuseGLU
 from .linear import DecodeLinear
 from .mla import FuseMLA
 from .moe import FuseMoE
@@ -9,9 +10,10 @@ from .ssm import FuseSSM
 
 #: The one ordered list of passes. Regions of different kinds never overlap, so the order only fixes
 #: the order of the explain report and of graph edits; the whole-graph passes (complex arithmetic lowered to
-#: real, the linears left over routed through hybrid::linear, then the RMSNorms before them fused into those linears)
-#: come last, so the region passes see the graph as HF's code traced it.
-PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex(), DecodeLinear(), FuseNorm()]
+#: real, the linears left over routed through hybrid::linear, then the RMSNorms before them fused into those linears,
+#: then gated MLPs' activations into their gate + up launch) come last, so the region passes see the graph as HF's
+#: code traced it.
+PIPELINE: list = [FuseMLA(), FuseSSM(), FuseMoE(), LowerComplex(), DecodeLinear(), FuseNorm(), FuseGLU()]
 PASS_NAMES = [p.name for p in PIPELINE]
 
 

@@ -293,6 +293,41 @@ def test_norm_linear_op(monkeypatch):
     assert len(out) == 1 and out[0].shape == (1, 1, 40)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("N,K,res,normed", [(37, 130, torch.float32, True), (40, 512, None, False),
+                                            (24, 300, torch.bfloat16, True)])
+def test_norm_linear_glu(rows, N, K, res, normed, monkeypatch):
+    """norm_linear(glu=True): a gated MLP's silu(gate) * up from the norm's output, the gemv kernel's epilogue at one
+    row (one output instead of two, then the sum and the norm's output as before), the norm kernel + linears + one
+    silu * mul launch at three rows; odd N, K not a multiple of the block; against the eager ops in fp32 on the
+    reference norm (bf16 weights)."""
+    import runtime.ops  # noqa: F401
+    from runtime.ops.linear import ops
+    if DEV == "cpu":
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    glu_launches = []
+    real = ops.linear_triton
+    monkeypatch.setattr(ops, "linear_triton", lambda *a, glu=False, **k: glu_launches.append(glu) or
+                        real(*a, glu=glu, **k))
+    g = torch.Generator().manual_seed(N + K)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, torch.bfloat16)
+    ws = [(torch.randn(N, K, generator=g) / K ** 0.5 * 3).to(DEV, torch.bfloat16) for _ in range(2)]
+    x = torch.randn(rows, 1, K, generator=g).to(DEV, res or torch.bfloat16)
+    r = None if res is None else torch.randn(rows, 1, K, generator=g).to(DEV, torch.bfloat16)
+    out = torch.ops.hybrid.norm_linear(x, r, nw, 1e-6, True, ws, None, normed, True)
+    (gate, up), want_s, want_h = _norm_want(x, r, nw, 1e-6, True, ws, normed=True)
+    want = F.silu(gate.to(torch.bfloat16)) * up.to(torch.bfloat16)
+    assert [o.shape for o in out] == [(rows, 1, N)] + [(rows, 1, K)] * ((r is not None) + normed)
+    assert glu_launches == ([True] if rows == 1 else [])
+    torch.testing.assert_close(out[0].float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    if r is not None:
+        torch.testing.assert_close(out[1], want_s)
+    if normed:
+        torch.testing.assert_close(out[-1].float(), want_h.float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="two weights of one shape"):
+        torch.ops.hybrid.norm_linear(x, r, nw, 1e-6, True, [ws[0], ws[1][:-1]], None, normed, True)
+
+
 def test_add_rms_norm_kernel_matches_reference():
     """The row-wise fallback kernel: rows of odd width, fp32 + bf16 and bf16 + bf16 sums, rounding on and off."""
     from runtime.ops.linear.norm import add_rms_norm_ref, add_rms_norm_triton

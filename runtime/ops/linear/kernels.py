@@ -101,7 +101,9 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
                  s0, s1, s2, NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  r_ptr=None, s_ptr=None, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False):
+                 ROUND: tl.constexpr = False, h_ptr=None, WRITE_H: tl.constexpr = False, GLU: tl.constexpr = False):
+    """GLU (two weights of N0 rows, gate then up): each program computes the same rows of both and stores
+    silu(gate) * up to y0, rounded as the eager ops round (each linear's output, the activation, the product)."""
     pdl_start(PDL)  # launched early (programmatic dependent launch): wait for the kernel before
     pid = tl.program_id(0)
     nb0 = tl.cdiv(N0, BLOCK_N)
@@ -119,15 +121,23 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
     row_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GLU:
+        u_rows = w1_ptr + rn.to(tl.int64)[:, None] * s1
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + rk
         if EVEN_K:
             x = tl.load(x_ptr + cols).to(tl.float32)
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            if GLU:
+                u = tl.load(u_rows + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+            if GLU:
+                u = tl.load(u_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                            other=0.0).to(tl.float32)
         if GATED:
             x, h2 = _gate(x, z_ptr + cols, g_ptr + cols, cols < K)
             sq += h2
@@ -136,14 +146,24 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, b_ptr, z
                              w0_ptr.dtype.element_ty)
             sq += h2
         acc += w * x[None, :]
+        if GLU:
+            acc_u += u * x[None, :]
     y = tl.sum(acc, axis=1)
+    if GLU:
+        y_u = tl.sum(acc_u, axis=1)
     if GATED or NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + tl.cast(eps, tl.float32))
         y = y * rstd
+        if GLU:
+            y_u = y_u * rstd
         if WRITE_H:
             _write_normed(x_ptr, r_ptr, s_ptr, g_ptr, h_ptr, rstd, K, pid, HAS_RES, ROUND, w0_ptr.dtype.element_ty)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
+    if GLU:
+        dt = y_ptr.dtype.element_ty
+        a = silu(y.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y = a * y_u.to(dt).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -258,8 +278,8 @@ def _launch_opts(cfg: dict, x: torch.Tensor) -> dict:
 
 
 def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
-                  config: dict | None = None, gate: tuple | None = None, norm: tuple | None = None
-                  ) -> list[torch.Tensor]:
+                  config: dict | None = None, gate: tuple | None = None, norm: tuple | None = None,
+                  glu: bool = False) -> list[torch.Tensor]:
     """x [M, K] (rows contiguous), weights [N_i, K] (rows contiguous; 1-3 of them, gemv: M == 1; bias only with one
     weight) -> [x @ w_i^T (+ bias)] in the weights' dtype.
 
@@ -267,7 +287,8 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     (one group of K; see ``_gate``), x and z in any float dtype. One weight only.
     norm = (norm weight [K], eps, r, s, round[, h]): the input is first HF's RMSNorm of x, or of x + r when r (like x)
     is given, the sum written to s [M, K] (its dtype: the add's); round: the norm's input rounded to the weights' dtype
-    (see ``_norm_in``); h [M, K]: the norm's output written there too (``_write_normed``). The gemv kernel (one row)."""
+    (see ``_norm_in``); h [M, K]: the norm's output written there too (``_write_normed``). The gemv kernel (one row).
+    glu (two weights of one shape, gate then up, one row): [silu(x @ gate^T) * (x @ up^T)] instead, one output."""
     M, K = x.shape
     Ns = [w.shape[0] for w in weights]
     cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None)
@@ -277,7 +298,9 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     assert bias is None or len(weights) == 1, "bias only with a single weight"
     assert gate is None or (len(weights) == 1 and gate[0].shape == x.shape and gate[0].stride(1) == 1
                             and gate[1].shape == (K,) and gate[1].stride(0) == 1), "gate: z like x, norm weight [K]"
-    ys = [torch.empty(M, n, dtype=weights[0].dtype, device=x.device) for n in Ns]
+    assert not glu or (len(weights) == 2 and Ns[0] == Ns[1] and bias is None and gate is None), \
+        "glu: gate and up weights of one shape, no bias"
+    ys = [torch.empty(M, n, dtype=weights[0].dtype, device=x.device) for n in Ns[:1 if glu else None]]
     if M == 0:
         return ys
     b = bias if bias is not None else x  # a valid pointer, never read
@@ -288,7 +311,7 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
         assert M == 1, "the gemv kernel takes one row"
         bn = cfg["block_n"]
         w3, y3, n3 = (weights + [weights[0]] * 2)[:3], (ys + [ys[0]] * 2)[:3], (Ns + [0, 0])[:3]
-        grid = (sum(triton.cdiv(n, bn) for n in Ns),)
+        grid = (sum(triton.cdiv(n, bn) for n in Ns[:1 if glu else None]),)
         extra = {}
         if norm is not None:
             g, eps, r, s, rnd, *h = norm
@@ -301,8 +324,9 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
                          ROUND=bool(rnd), h_ptr=x if h is None else h, WRITE_H=h is not None)
         _gemv_kernel[grid](x, *w3, *y3, b, z, g, float(eps), *n3, K, *(w.stride(0) for w in w3),
                            NUM_W=len(weights), HAS_BIAS=bias is not None, GATED=gate is not None, BLOCK_N=bn,
-                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, **extra, **opts)
+                           BLOCK_K=cfg["block_k"], EVEN_K=even_k, GLU=glu, **extra, **opts)
         return ys
+    assert not glu, "glu: the gemv kernel (one row) only"
     assert len(weights) == 1 and M <= 16, "the dot kernel takes one weight and at most 16 rows"
     w, y = weights[0], ys[0]
     assert gate is None and norm is None, "the dot kernel has no norm prologue (the gemv kernel has)"
@@ -312,6 +336,25 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
                                                   BLOCK_K=cfg["block_k"], EVEN_K=even_k,
                                                   F32_DOT=interpreting() or w.dtype == torch.float32, **opts)
     return ys
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    dt = y_ptr.dtype.element_ty
+    a = silu(tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(y_ptr + offs, (a * tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt), mask=ok)
+
+
+def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for contiguous g, u of one shape and dtype, rounded as the eager ops round; one launch (what Inductor
+    fuses them into where ``hybrid::norm_linear(glu=True)`` does not take the rows into the gemv kernel)."""
+    assert g.shape == u.shape and g.dtype == u.dtype and g.is_contiguous() and u.is_contiguous()
+    y = torch.empty_like(g)
+    if g.numel():
+        _silu_mul_kernel[(triton.cdiv(g.numel(), 1024),)](g, u, y, g.numel(), BLOCK=1024, num_warps=4)
+    return y
 
 
 def conv_config(M: int, N: int, K: int) -> dict | None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..library import op_name, use_triton
-from .kernels import DTYPES, MAX_K, conv_config, linear_conv_triton, linear_triton, pick_config
+from .kernels import DTYPES, MAX_K, conv_config, linear_conv_triton, linear_triton, pick_config, silu_mul_triton
 from .norm import add_rms_norm_ref, add_rms_norm_triton
 
 
@@ -129,15 +129,20 @@ def _(x, weight, bias, conv_state, conv_weight, conv_bias, c0):
 
 @torch.library.custom_op(op_name("norm_linear"), mutates_args=())
 def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps: float, round_input: bool,
-                weights: list[Tensor], bias: Optional[Tensor] = None, return_normed: bool = False) -> list[Tensor]:
+                weights: list[Tensor], bias: Optional[Tensor] = None, return_normed: bool = False,
+                glu: bool = False) -> list[Tensor]:
     """HF's RMSNorm of x (or of the residual add s = x + residual), then the linears that read it (1-3 weights
     sharing the input; bias only with one): ``[F.linear(h, w_i, bias) ...]``, then s when residual is given, then h
     when return_normed (for other readers of the norm).
     h = norm_weight * (t * rsqrt(mean(t^2) + eps)).to(t.dtype) in the weights' dtype, t = s or x in the weights'
     dtype when round_input, else in fp32 (norm.py). One row on CUDA: one launch, the norm (and the add) as the gemv
-    kernel's prologue; otherwise the norm kernel, then ``hybrid::linear`` / ``hybrid::linear_group``."""
+    kernel's prologue; otherwise the norm kernel, then ``hybrid::linear`` / ``hybrid::linear_group``.
+    glu (weights = [gate, up] of one shape, no bias): the first output is a gated MLP's ``silu(h @ gate^T) * (h @
+    up^T)`` instead of the two linears (the gemv kernel's epilogue at one row; one more launch otherwise)."""
     K = x.shape[-1]
     wdtype = weights[0].dtype
+    if glu and (len(weights) != 2 or weights[0].shape != weights[1].shape or bias is not None):
+        raise ValueError("norm_linear(glu=True) takes two weights of one shape (gate, up) and no bias")
     rows = None
     if norm_weight.shape == (K,) and norm_weight.stride(0) == 1 and (residual is None or residual.shape == x.shape):
         rows = _triton_rows(x, weights, bias, "norm")
@@ -145,7 +150,7 @@ def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps:
         r = None if residual is None else _rows(residual)
         s = None if r is None else torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, r.dtype), device=x.device)
         h = torch.empty(rows.shape, dtype=wdtype, device=x.device) if return_normed else None
-        ys = linear_triton(rows, weights, bias, norm=(norm_weight, eps, r, s, round_input, h))
+        ys = linear_triton(rows, weights, bias, norm=(norm_weight, eps, r, s, round_input, h), glu=glu)
         ys = [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
         return ys + [t.view(x.shape) for t in (s, h) if t is not None]
     if use_triton(x) and norm_weight.stride(0) == 1 and K <= MAX_K:  # the row kernel holds the row in registers
@@ -160,12 +165,15 @@ def norm_linear(x: Tensor, residual: Optional[Tensor], norm_weight: Tensor, eps:
     else:
         assert bias is None, "bias only with one weight"
         ys = list(torch.ops.hybrid.linear_group(h, weights))
+    if glu:
+        g, u = ys
+        ys = [silu_mul_triton(g, u) if use_triton(g) and g.dtype in DTYPES else F.silu(g) * u]
     return ys + ([] if s is None else [s.contiguous()]) + ([h.contiguous()] if return_normed else [])
 
 
 @norm_linear.register_fake
-def _(x, residual, norm_weight, eps, round_input, weights, bias=None, return_normed=False):
-    ys = [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=w.dtype) for w in weights]
+def _(x, residual, norm_weight, eps, round_input, weights, bias=None, return_normed=False, glu=False):
+    ys = [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=w.dtype) for w in weights[:1 if glu else None]]
     if residual is not None:
         ys.append(x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
     return ys + ([x.new_empty(x.shape, dtype=weights[0].dtype)] if return_normed else [])
