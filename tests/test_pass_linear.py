@@ -22,7 +22,7 @@ def _compiled(fn, options):
 
 
 def _notes(report) -> list[str]:
-    return [n for g in report.graphs for n in g.notes if "linear" in n]
+    return [n for g in report.graphs for n in g.notes if "linear layers" in n]
 
 
 def test_deepseek_v2_linears_grouped_and_logits_unchanged():
