@@ -33,7 +33,6 @@ from ..ssm.conv import conv_step_load, conv_step_store, silu
 #: input dtypes the kernels take (fp32 would run the tensor-core path in tf32)
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_K = 8192
-MAX_K_GEMV = 16384
 MAX_GROUP = 3
 
 
@@ -253,10 +252,8 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
     2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
     (``bench/linear.py --sweep``); below that cuBLAS is as fast. gated (a gated RMSNorm prologue, one weight):
     one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
-    if not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
+    if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
-    if K > MAX_K:  # one row of one weight up to MAX_K_GEMV (DeepSeek's dense down_proj, 2048 x 10944): the gemv
-        return GEMV if M == 1 and len(Ns) == 1 and not (gated or norm) and K <= MAX_K_GEMV else None
     if norm:  # one row, weights below 128 MB: the gemv kernel (the dot kernel's prologue ran 1.7-3.5x slower). In
         # the engine the lm_heads ran 9-16 us slower as this gemv than on the dot kernel (DeepSeek 400 MB, Mixtral
         # 250 MB, Mamba2 257 MB with its fp32 input: every program rereads the input row), more than the norm
