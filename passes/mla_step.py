@@ -120,7 +120,8 @@ def _step_write(ctx: PassContext, region: Region, m, buf: fx.Node, gather: fx.No
     except RewriteError as e:
         raise Skip(str(e)) from None
     g = torch.Generator(device="cpu").manual_seed(6)
-    lat_x, rope_x = (_random(node_value(n), g) for n in (outs[0], k_rope))
+    lat_x, rope_x = (torch.randn([concrete(s) for s in node_value(n).shape], generator=g).to(node_value(n).dtype)
+                     for n in (outs[0], k_rope))
     with eager_probe():
         got = sub(lat_x, rope_x)
     want = torch.cat([lat_x.reshape(b, lat_dim), rope_x.reshape(b, rope_dim)], -1).view(b, 1, -1).to(row_v.dtype)
@@ -187,7 +188,8 @@ def _step_rope(ctx: PassContext, region: Region, q_nope: fx.Node, q_rope: fx.Nod
     except RewriteError as e:
         raise Skip(str(e)) from None
     g = torch.Generator(device="cpu").manual_seed(7)
-    qx, kx, tx = _random(qv, g), _random(kv_, g), [_random(v, g) for v in tv]
+    rand = lambda v: torch.randn([concrete(s) for s in v.shape], generator=g, dtype=v.dtype)  # noqa: E731
+    qx, kx, tx = rand(qv), rand(kv_), [rand(v) for v in tv]
     with eager_probe():
         got_q, got_k = sub_q(qx, *tx), sub_k(kx, *tx)
     if complex_tables:
@@ -211,12 +213,6 @@ def _step_rope(ctx: PassContext, region: Region, q_nope: fx.Node, q_rope: fx.Nod
     else:
         cos, sin = tables[first], tables[1 - first]
     return q_pe, k_pe, cos, sin, layout, sorted(nodes, key=order.__getitem__)
-
-
-def _random(v: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """Random values shaped like the fake value ``v``, in its dtype, on its device (sub-graphs hold device constants:
-    HF's ``freqs_cis.to(x.device)``)."""
-    return torch.randn([concrete(s) for s in v.shape], generator=g, dtype=v.dtype).to(v.device)
 
 
 def _real_parts(graph: fx.Graph, z: fx.Node) -> tuple[fx.Node, fx.Node]:
