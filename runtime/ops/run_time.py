@@ -57,7 +57,7 @@ def _mla_attention_paged_fake(q_nope, q_rope, buf, block_table, seq_lens, kv_b_w
 
 
 def _mla_decode_step_fake(q_nope, q_rope, kv, norm_weight, k_rope, buf, write_slots, block_table, seq_lens,
-                          kv_b_weight, *args):  # (cos, sin, rope, eps, block_size, scale)
+                          kv_b_weight, *args):
     return _mla_attention_fake(q_nope, q_rope, None, None, kv_b_weight)
 
 

@@ -394,71 +394,12 @@ def test_decode_step_prep_kernel_matches_reference(B, monkeypatch):
     slots = torch.randperm(63, generator=g)[:B].add(1).to(DEV)
     from runtime.ops.mla import step
     want_buf = buf.clone()
-    want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)[0]
+    want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)
     _triton_ops(monkeypatch)
-    got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)[0]
+    got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(buf, want_buf, rtol=1e-5, atol=1e-5)
     assert not torch.equal(want_buf[slots], torch.zeros_like(want_buf[slots]))
-
-
-def test_rope_reference_is_hf_deepseek_rope():
-    """step.rope_ref against transformers' own functions: DeepSeek-V2's complex product (layout 1, tables = the real
-    and imaginary parts of freqs_cis) and DeepSeek-V3's interleaved RoPE (layout 3 in transformers 5.2x, which reads
-    the first half of cos / sin; layout 2 reads the whole tables, as the de-interleave + rotate_half form does)."""
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave, rotate_half
-    from runtime.ops.mla.step import rope_ref
-    g = torch.Generator().manual_seed(3)
-    q, k = torch.randn(2, 3, 1, 8, generator=g), torch.randn(2, 1, 1, 8, generator=g)
-    freqs = torch.polar(torch.rand(2, 1, 4, generator=g) + 0.5, torch.randn(2, 1, 4, generator=g))
-    want_q, want_k = apply_rotary_emb(q, k, freqs)
-    c, s = freqs.real, freqs.imag
-    torch.testing.assert_close(rope_ref(q, c[:, None], s[:, None], 1), want_q)
-    torch.testing.assert_close(rope_ref(k, c[:, None], s[:, None], 1), want_k)
-    half = torch.randn(2, 1, 4, generator=g)
-    cos, sin = torch.cat([half.cos(), half.cos()], -1), torch.cat([half.sin(), half.sin()], -1)
-    want_q, want_k = apply_rotary_pos_emb_interleave(q, k, cos, sin)
-    for layout in (2, 3):
-        torch.testing.assert_close(rope_ref(q, cos[:, None], sin[:, None], layout), want_q)
-        torch.testing.assert_close(rope_ref(k, cos[:, None], sin[:, None], layout), want_k)
-    cos, sin = torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)  # tables with unequal halves
-    qh = q.view(2, 3, 1, 4, 2).transpose(4, 3).reshape(2, 3, 1, 8)
-    torch.testing.assert_close(rope_ref(q, cos[:, None], sin[:, None], 2), qh * cos[:, None] + rotate_half(qh) *
-                               sin[:, None])
-    torch.testing.assert_close(rope_ref(q, cos[:, None], sin[:, None], 3),
-                               apply_rotary_pos_emb_interleave(q, k, cos, sin)[0])
-
-
-@pytest.mark.parametrize("rope", [1, 2, 3])
-@pytest.mark.parametrize("B", [1, 17])
-def test_decode_step_prep_kernel_applies_rope(rope, B, monkeypatch):
-    """The prep kernel with RoPE (query and key taken before it): the turned query and the cache rows against the
-    reference, R = 6 (not a power of two), tables as strided views (the real and imaginary parts of a complex tensor
-    for layout 1)."""
-    from runtime.ops.mla import step
-    H, P, L, R, V = 3, 16, 40, 6, 12
-    g = torch.Generator().manual_seed(rope * 10 + B)
-    proj = torch.randn(B, H * (P + R), generator=g).to(DEV)
-    q_nope, q_pe = proj.view(B, H, P + R)[:, :, :P], proj.view(B, H, P + R)[:, :, P:]
-    w_uk = (torch.randn(H * (P + V), L, generator=g) * 0.2).to(DEV).view(H, P + V, L)[:, :P]
-    kv_out = torch.randn(B, L + R, generator=g).to(DEV)
-    kv, k_pe = kv_out[:, :L], kv_out[:, L:]
-    n = R // 2 if rope == 1 else R
-    tables = torch.view_as_real(torch.randn(B, n, dtype=torch.complex64, generator=g)).to(DEV)
-    cos, sin = tables[..., 0], tables[..., 1]                               # stride 2
-    norm_w = torch.randn(L, generator=g).to(DEV)
-    buf = torch.randn(64, 1, L + R, generator=g).to(DEV)
-    slots = torch.randperm(63, generator=g)[:B].add(1).to(DEV)
-    want_buf = buf.clone()
-    want_lat, want_q = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_pe, want_buf, slots, q_pe, cos, sin,
-                                              rope)
-    assert torch.equal(want_buf[slots, 0, L:], step.rope_ref(k_pe, cos, sin, rope))
-    _triton_ops(monkeypatch)
-    got_lat, got_q = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_pe, buf, slots, q_pe, cos, sin, rope)
-    torch.testing.assert_close(got_lat, want_lat, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(buf, want_buf, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
@@ -566,7 +507,7 @@ def test_bf16_decode_step_prep_deepseek_widths(B):
     buf = randn(4096, 1, L + R, dtype=bf16)
     slots = torch.randperm(4096, device=DEV)[:B]
     want_buf = buf.clone()
-    want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)[0]
-    got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)[0]
+    want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)
+    got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(buf.float(), want_buf.float(), rtol=1e-2, atol=1e-2)

@@ -17,8 +17,6 @@ the contract to account end to end (greedy tokens equal HF generate's through th
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 from torch.library import triton_op
@@ -60,25 +58,20 @@ def _mla_attention_paged(q_nope: Tensor, q_rope: Tensor, buf: Tensor, block_tabl
 
 @triton_op(op_name("mla_decode_step"), mutates_args={"buf"})
 def _mla_decode_step(q_nope: Tensor, q_rope: Tensor, kv: Tensor, norm_weight: Tensor, k_rope: Tensor, buf: Tensor,
-                     write_slots: Tensor, block_table: Tensor, seq_lens: Tensor, kv_b_weight: Tensor,
-                     cos: Optional[Tensor], sin: Optional[Tensor], rope: int, eps: float, block_size: int,
-                     scale: float) -> Tensor:
+                     write_slots: Tensor, block_table: Tensor, seq_lens: Tensor, kv_b_weight: Tensor, eps: float,
+                     block_size: int, scale: float) -> Tensor:
     """``hybrid::mla_attention_paged`` with the step's own cache write before it: kv [B, 1, L] (the new token's
-    latent before ``kv_a_layernorm``, whose weight and eps are given), k_rope [B, 1, 1, R]; the row
+    latent before ``kv_a_layernorm``, whose weight and eps are given), k_rope [B, 1, 1, R] (after RoPE); the row
     ``[norm(kv) | k_rope]`` of sequence b is written at ``buf[write_slots[b]]``, then each sequence attends over its
-    pages (step.py: the norm, the write and the absorbed query are one launch). rope 0: q_rope and k_rope are after
-    RoPE; rope 1-3: before it, and the same launch applies it with cos / sin (1: numel B * R / 2, pairs written back
-    interleaved, DeepSeek-V2; 2, 3: numel B * R, de-interleaved into halves, DeepSeek-V3: ``step.rope_ref``)."""
+    pages (step.py: the norm, the write and the absorbed query are one launch)."""
     b, h, t, p = q_nope.shape
     torch._check(t == 1, lambda: f"mla_decode_step decodes one query token per sequence, got {t}")
     lat_dim = kv_b_weight.shape[-1]
     w_uk, w_uv = _split_kv_b(kv_b_weight, h, p)
     prep = step.mla_step_prep_triton if use_triton(q_nope) else step.mla_step_prep_ref
-    tables = (q_rope[:, :, 0], cos.reshape(b, -1), sin.reshape(b, -1), rope) if rope else ()
-    q_lat, q_roped = prep(q_nope[:, :, 0], w_uk, kv.reshape(b, lat_dim), norm_weight, eps, k_rope.reshape(b, -1),
-                          buf, write_slots, *tables)
-    return _attend(q_lat, q_roped[:, :, None] if rope else q_rope, buf, block_table, seq_lens, w_uv, block_size,
-                   scale)
+    q_lat = prep(q_nope[:, :, 0], w_uk, kv.reshape(b, lat_dim), norm_weight, eps, k_rope.reshape(b, -1), buf,
+                 write_slots)
+    return _attend(q_lat, q_rope, buf, block_table, seq_lens, w_uv, block_size, scale)
 
 
 def _split_kv_b(kv_b_weight: Tensor, h: int, p: int) -> tuple[Tensor, Tensor]:
@@ -110,12 +103,8 @@ def mla_attention_paged(q_nope: Tensor, q_rope: Tensor, buf: Tensor, block_table
 
 def mla_decode_step(q_nope: Tensor, q_rope: Tensor, kv: Tensor, norm_weight: Tensor, k_rope: Tensor, buf: Tensor,
                     write_slots: Tensor, block_table: Tensor, seq_lens: Tensor, kv_b_weight: Tensor, *, eps: float,
-                    block_size: int, scale: float, cos: Tensor | None = None, sin: Tensor | None = None,
-                    rope: int = 0) -> Tensor:
+                    block_size: int, scale: float) -> Tensor:
     if q_nope.shape[2] != 1:
         raise ValueError(f"mla_decode_step decodes one query token per sequence, got {q_nope.shape[2]}")
-    if (rope != 0) != (cos is not None and sin is not None) or rope not in (0, 1, 2, 3):
-        raise ValueError("mla_decode_step: rope 1-3 takes cos and sin, rope 0 neither")
     return torch.ops.hybrid.mla_decode_step(q_nope, q_rope, kv, norm_weight, k_rope, buf, write_slots, block_table,
-                                            seq_lens, kv_b_weight, cos, sin, int(rope), float(eps), int(block_size),
-                                            float(scale))
+                                            seq_lens, kv_b_weight, float(eps), int(block_size), float(scale))

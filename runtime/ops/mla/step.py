@@ -34,40 +34,13 @@ CONFIG = dict(block_l=128, max_block_b=64, num_warps=4)
 
 
 @triton.jit
-def _rope(X, C, S, s_ce, R, offs, ok, ROPE: tl.constexpr):
-    """RoPE of R values at X (contiguous; X, C, S broadcast against ``offs``) in fp32, pair i = (x[2i], x[2i+1]) turned
-    by the angle whose cos / sin are C / S: ROPE 1 writes pairs back interleaved (DeepSeek-V2's complex product;
-    tables of R / 2, entry i), ROPE 2 and 3 de-interleaved into halves, out[i] and out[i + R/2] (DeepSeek-V3; tables of
-    R: ROPE 2 reads entry j for output j, as ``x_halves * cos + rotate_half(x_halves) * sin``; ROPE 3 entry i for
-    both, as transformers 5.24 reads only the first half)."""
-    if ROPE == 1:
-        a = offs
-        b = offs ^ 1
-        first = offs % 2 == 0
-        t = offs // 2
-    else:
-        half = R // 2
-        first = offs < half
-        i = tl.where(first, offs, offs - half)
-        a = 2 * i + tl.where(first, 0, 1)
-        b = 2 * i + tl.where(first, 1, 0)
-        t = offs if ROPE == 2 else i
-    xa = tl.load(X + a, mask=ok, other=0.0).to(tl.float32)
-    xb = tl.load(X + b, mask=ok, other=0.0).to(tl.float32)
-    c = tl.load(C + t * s_ce, mask=ok, other=0.0).to(tl.float32)
-    sn = tl.load(S + t * s_ce, mask=ok, other=0.0).to(tl.float32)
-    return xa * c + tl.where(first, -xb, xb) * sn
-
-
-@triton.jit
-def _mla_step_prep_kernel(QN, W, QL, KV, NW, KR, SLOTS, CACHE, QP, QR, COS, SIN,
-                          s_qb, s_qh, s_wh, s_wp, s_lb, s_lh, s_kvb, s_krb, s_row, s_qpb, s_qph, s_qrb, s_qrh,
-                          s_cb, s_ce, B, H, P, L, R, N_Q, eps,
+def _mla_step_prep_kernel(QN, W, QL, KV, NW, KR, SLOTS, CACHE,
+                          s_qb, s_qh, s_wh, s_wp, s_lb, s_lh, s_kvb, s_krb, s_row,
+                          B, H, P, L, R, N_Q, eps,
                           BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_LN: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+                          BLOCK_LN: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
                           PDL: tl.constexpr = False):
     pid = tl.program_id(0)
-    offs_r = tl.arange(0, BLOCK_R)
     if pid < N_Q:
         n_l = tl.cdiv(L, BLOCK_L)
         lb = pid % n_l
@@ -76,25 +49,17 @@ def _mla_step_prep_kernel(QN, W, QL, KV, NW, KR, SLOTS, CACHE, QP, QR, COS, SIN,
         offs_p = tl.arange(0, BLOCK_P)
         offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
         offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
-        b_ok = offs_b < B
         w = tl.load(W + h.to(tl.int64) * s_wh + offs_p[:, None] * s_wp + offs_l[None, :],
                     mask=(offs_p < P)[:, None] & (offs_l < L)[None, :], other=0.0)
         pdl_start(PDL)
         q = tl.load(QN + offs_b.to(tl.int64)[:, None] * s_qb + h * s_qh + offs_p[None, :],
-                    mask=b_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+                    mask=(offs_b < B)[:, None] & (offs_p < P)[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(q, w, input_precision="ieee")
         else:
             acc = tl.dot(q, w)
         tl.store(QL + offs_b.to(tl.int64)[:, None] * s_lb + h * s_lh + offs_l[None, :],
-                 acc.to(QL.dtype.element_ty), mask=b_ok[:, None] & (offs_l < L)[None, :])
-        if ROPE != 0:
-            if lb == 0:  # the query's rope part, once per (sequences, head)
-                rows = offs_b.to(tl.int64)[:, None]
-                ok = b_ok[:, None] & (offs_r < R)[None, :]
-                y = _rope(QP + rows * s_qpb + h * s_qph, COS + rows * s_cb, SIN + rows * s_cb, s_ce, R,
-                          offs_r[None, :], ok, ROPE)
-                tl.store(QR + rows * s_qrb + h * s_qrh + offs_r[None, :], y.to(QR.dtype.element_ty), mask=ok)
+                 acc.to(QL.dtype.element_ty), mask=(offs_b < B)[:, None] & (offs_l < L)[None, :])
     else:
         pdl_start(PDL)
         b = (pid - N_Q).to(tl.int64)
@@ -106,29 +71,9 @@ def _mla_step_prep_kernel(QN, W, QL, KV, NW, KR, SLOTS, CACHE, QP, QR, COS, SIN,
         g = tl.load(NW + offs, mask=ok, other=0.0).to(tl.float32)
         row = CACHE + tl.load(SLOTS + b).to(tl.int64) * s_row
         tl.store(row + offs, (g * y).to(CACHE.dtype.element_ty), mask=ok)
-        r_ok = offs_r < R
-        if ROPE == 0:
-            kr = tl.load(KR + b * s_krb + offs_r, mask=r_ok, other=0.0)
-        else:  # rounded to the key's dtype first, as HF's RoPE returns it
-            kr = _rope(KR + b * s_krb, COS + b * s_cb, SIN + b * s_cb, s_ce, R, offs_r, r_ok, ROPE)
-            kr = kr.to(KR.dtype.element_ty)
-        tl.store(row + L + offs_r, kr.to(CACHE.dtype.element_ty), mask=r_ok)
-
-
-def rope_ref(x: Tensor, cos: Tensor, sin: Tensor, layout: int) -> Tensor:
-    """RoPE as ``_rope`` computes it, in torch (fp32, rounded to x's dtype): x [..., R]; cos / sin broadcast against
-    x's pairs ([..., R / 2], layout 1) or against x ([..., R], layouts 2 and 3)."""
-    xr = x.float().unflatten(-1, (-1, 2))
-    a, b = xr[..., 0], xr[..., 1]
-    c, s = cos.float(), sin.float()
-    if layout == 1:
-        out = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
-    elif layout == 2:
-        out = torch.cat([a, b], -1) * c + torch.cat([-b, a], -1) * s
-    else:
-        c, s = c[..., :c.shape[-1] // 2], s[..., :s.shape[-1] // 2]
-        out = torch.cat([a * c - b * s, b * c + a * s], -1)
-    return out.to(x.dtype)
+        offs_r = tl.arange(0, BLOCK_R)
+        kr = tl.load(KR + b * s_krb + offs_r, mask=offs_r < R, other=0.0)
+        tl.store(row + L + offs_r, kr.to(CACHE.dtype.element_ty), mask=offs_r < R)
 
 
 def _check(q_nope: Tensor, w_uk: Tensor, kv: Tensor, norm_weight: Tensor, k_rope: Tensor, buf: Tensor,
@@ -144,50 +89,32 @@ def _check(q_nope: Tensor, w_uk: Tensor, kv: Tensor, norm_weight: Tensor, k_rope
 
 
 def mla_step_prep_ref(q_nope: Tensor, w_uk: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, k_rope: Tensor,
-                      buf: Tensor, slots: Tensor, q_rope: Tensor | None = None, cos: Tensor | None = None,
-                      sin: Tensor | None = None, rope: int = 0) -> tuple[Tensor, Tensor | None]:
+                      buf: Tensor, slots: Tensor) -> Tensor:
     """q_nope [B, H, P], w_uk [H, P, L], kv [B, L] (before the norm), norm_weight [L], k_rope [B, R], buf [rows, 1,
-    L + R] (written at rows ``slots`` [B]) -> (q_lat [B, H, L] in q's dtype, q_rope after RoPE or None). rope 1 / 2:
-    q_rope [B, H, R] and k_rope are taken before RoPE and turned with cos / sin [B, R/2] or [B, R] (``rope_ref``)."""
+    L + R] (written at rows ``slots`` [B]) -> q_lat [B, H, L] in q's dtype. Plain torch."""
     _check(q_nope, w_uk, kv, norm_weight, k_rope, buf, slots)
-    if rope:
-        q_rope = rope_ref(q_rope, cos[:, None], sin[:, None], rope)
-        k_rope = rope_ref(k_rope, cos, sin, rope)
     normed = add_rms_norm_ref(kv, None, norm_weight, eps, kv.dtype != torch.float32, buf.dtype)[0]
     buf.index_copy_(0, slots, torch.cat([normed, k_rope.to(buf.dtype)], -1)[:, None])
-    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_rope if rope else None
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
 def mla_step_prep_triton(q_nope: Tensor, w_uk: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, k_rope: Tensor,
-                         buf: Tensor, slots: Tensor, q_rope: Tensor | None = None, cos: Tensor | None = None,
-                         sin: Tensor | None = None, rope: int = 0) -> tuple[Tensor, Tensor | None]:
-    """What ``mla_step_prep_ref`` computes, one launch. Inner dims must be contiguous (the engine's views are), but
-    the tables' (cos / sin may be strided views, e.g. of a complex tensor's real and imaginary parts)."""
+                         buf: Tensor, slots: Tensor) -> Tensor:
+    """What ``mla_step_prep_ref`` computes, one launch. Inner dims must be contiguous (the engine's views are)."""
     _check(q_nope, w_uk, kv, norm_weight, k_rope, buf, slots)
     B, H, P = q_nope.shape
     L, R = kv.shape[-1], k_rope.shape[-1]
     assert q_nope.stride(2) == 1 and w_uk.stride(2) == 1 and kv.stride(1) == 1 and k_rope.stride(1) == 1, \
         "inner dims must be contiguous"
     q_lat = torch.empty((B, H, L), device=q_nope.device, dtype=q_nope.dtype)
-    if rope:
-        n = R // 2 if rope == 1 else R
-        assert q_rope.shape == (B, H, R) and q_rope.stride(2) == 1 and R % 2 == 0, "q_rope [B, H, R], R even"
-        assert cos.shape == sin.shape == (B, n) and cos.stride() == sin.stride(), f"cos / sin [B, {n}], one layout"
-        q_out = torch.empty((B, H, R), device=q_nope.device, dtype=q_rope.dtype)
-        tables = (q_rope, q_out, cos, sin, q_rope.stride(0), q_rope.stride(1), q_out.stride(0), q_out.stride(1),
-                  cos.stride(0), cos.stride(1))
-    else:
-        q_out = None
-        tables = (q_nope, q_nope, q_nope, q_nope, 0, 0, 0, 0, 0, 0)  # valid pointers, never read
     block_b = min(CONFIG["max_block_b"], max(16, triton.next_power_of_2(max(size_hint(B), 1))))
     block_l = min(CONFIG["block_l"], triton.next_power_of_2(L))
     n_q = triton.cdiv(B, block_b) * H * triton.cdiv(L, block_l)
-    p = tables[:4]
     wrap_triton(_mla_step_prep_kernel)[(n_q + B,)](
-        q_nope, w_uk, q_lat, kv, norm_weight, k_rope, slots, buf, *p,
+        q_nope, w_uk, q_lat, kv, norm_weight, k_rope, slots, buf,
         q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
-        kv.stride(0), k_rope.stride(0), buf.stride(0), *tables[4:], B, H, P, L, R, n_q, eps,
+        kv.stride(0), k_rope.stride(0), buf.stride(0), B, H, P, L, R, n_q, eps,
         BLOCK_B=block_b, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_L=block_l,
         BLOCK_LN=triton.next_power_of_2(L), BLOCK_R=triton.next_power_of_2(R), IEEE=q_nope.dtype == torch.float32,
-        ROPE=rope, num_warps=CONFIG["num_warps"], **pdl_opts(q_nope))
-    return q_lat, q_out
+        num_warps=CONFIG["num_warps"], **pdl_opts(q_nope))
+    return q_lat
