@@ -73,7 +73,7 @@ def test_moe_norm_fuses_and_is_written_for_the_block():
     assert err < 1e-5 and seen[0].get("norm_linear") == 2 * layers + 1
     assert len(notes) == 1 and "where no hybrid linear reads it (model.layers.0.self_attn.kv_a_layernorm" \
         in notes[0] and "post_attention" not in notes[0]
-    with compiled_with_spy(model.forward, {}, _moe_inputs) as (fn, _, moe_inputs):
+    with compiled_with_spy(model.forward, {"glu": False}, _moe_inputs) as (fn, _, moe_inputs):  # (glu: one output)
         fn(torch.randint(3, model.config.vocab_size, (1, 1)))
     assert moe_inputs[0] == ["norm_linear[3]"] * layers, moe_inputs
     model = zoo.build("mamba2", dtype=torch.bfloat16)
