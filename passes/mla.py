@@ -9,7 +9,10 @@ attention itself. Projections, RoPE, HF's cache update and ``o_proj`` stay in th
 semantics. Before rewriting, the replaced sub-graph is cut out and run on random inputs against the op:
 a structure that computes something else is left to Inductor. In the engine's decode graphs the cache update
 returns ``hybrid::paged_gather`` (runtime/ops/mla/paged.py): a one-token attention whose latent and rope key
-come straight from it becomes ``hybrid::mla_attention_paged`` over the pages, and the gather is erased.
+come straight from it becomes ``hybrid::mla_attention_paged`` over the pages, and the gather is erased; when the
+step's own cache write (``index_copy_`` of ``[kv_a_layernorm(kv) | k_rope]``) and kv_a_layernorm are proven too
+(``_step_write``: structure, the norm pass's probe of the module, a probe of the row assembly), it becomes
+``hybrid::mla_decode_step``, which also writes the row and normalises the latent (runtime/ops/mla/step.py).
 """
 from __future__ import annotations
 

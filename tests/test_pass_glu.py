@@ -63,8 +63,8 @@ def test_not_fired_on_gelu_plain_groups_or_when_off():
     assert err < 1e-5 and calls["glu"] == 0 and notes == []
     err, calls, notes = _decode(zoo.build("llama"), {"norm": False})
     assert err < 1e-5 and calls["glu"] == 0
-    assert notes == ["0 SiLU-gated MLP activations -> the epilogue of their gate + up launch (hybrid::norm_linear glu); "
-                     "2 left to Inductor where gate and up are a plain linear group (the norm before them is not "
+    assert notes == ["0 SiLU-gated MLP activations -> the epilogue of their gate + up launch (hybrid::norm_linear "
+                     "glu); 2 left to Inductor where gate and up are a plain linear group (the norm before them is not "
                      "fused)"], notes
     err, calls, notes = _decode(zoo.build("llama"), {"glu": False})
     assert err < 1e-5 and calls == {"glu": 0, "plain": 5} and notes == []

@@ -1,9 +1,9 @@
 """Run-time twins of the hybrid ops whose launch configs depend on the token count.
 
 ``hybrid::moe_block``, ``hybrid::moe_experts``, ``hybrid::mla_attention``, ``hybrid::mla_attention_paged``,
-``hybrid::mla_decode_step`` and ``hybrid::selective_scan`` are triton_ops: torch.compile traces their bodies, so each launch-config choice
-(MoE token bucket, MLA split count, absorbed vs expanded path, the scan's chunking) is made on the symbolic
-size and becomes a guard. A graph with a dynamic batch then recompiles whenever the batch crosses
+``hybrid::mla_decode_step`` and ``hybrid::selective_scan`` are triton_ops: torch.compile traces their bodies, so
+each launch-config choice (MoE token bucket, MLA split count, absorbed vs expanded path, the scan's chunking) is
+made on the symbolic size and becomes a guard. A graph with a dynamic batch then recompiles whenever the batch crosses
 a bucket boundary (10-30 s on the H200 for the realistic-width zoo models).
 
 Each twin ``hybrid::<name>_rt`` has the same schema, a shape-only fake implementation (no branch on sizes,
