@@ -49,7 +49,7 @@ def _output_of(n: fx.Node) -> tuple[fx.Node, int] | None:
 
 
 def _match(mul: fx.Node) -> str | tuple | None:
-    """(call, silu, gate, up) when ``mul`` is a fusable silu-gated product, a reason when it is one that is not,
+    """(call, silu, gate, up, gate's output index) when ``mul`` is a fusable silu-gated product, a reason when it is one that is not,
     None when it is no silu-gated product of a hybrid linear's outputs."""
     if mul.op != "call_function" or mul.target not in _MUL or len(mul.args) != 2 or mul.kwargs:
         return None
@@ -66,6 +66,8 @@ def _match(mul: fx.Node) -> str | tuple | None:
     call = g[0]
     if call.target is not torch.ops.hybrid.norm_linear.default:
         return "gate and up are a plain linear group (the norm before them is not fused)"
+    if len(call.args) < 6:
+        return "the launch's weights are not given by position"
     weights = call.args[5]
     bias = call.args[6] if len(call.args) > 6 else call.kwargs.get("bias")
     glu = call.args[8] if len(call.args) > 8 else call.kwargs.get("glu", False)

@@ -377,12 +377,12 @@ def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("B", [1, 3, 17])
+@pytest.mark.parametrize("B", [1, 3, 70])
 def test_decode_step_prep_kernel_matches_reference(B, monkeypatch):
     """The decode step's first launch (runtime/ops/mla/step.py): kv_a_layernorm + the row write into the pages + the
     absorbed query, Triton against the torch reference: q_lat and every cache row (written rows and untouched ones),
-    3 heads, L = 40 and P = 24 (not powers of two), R = 6, a strided q (a view of the projection's output), 17
-    sequences over two 16-row tiles."""
+    3 heads, L = 40 and P = 24 (not powers of two), R = 6, a strided q (a view of the projection's output), 70
+    sequences over two 64-row tiles."""
     H, P, L, R, V = 3, 24, 40, 6, 12
     g = torch.Generator().manual_seed(B)
     proj = torch.randn(B, H * (P + R), generator=g).to(DEV)
@@ -390,8 +390,8 @@ def test_decode_step_prep_kernel_matches_reference(B, monkeypatch):
     w_uk = (torch.randn(H * (P + V), L, generator=g) * 0.2).to(DEV).view(H, P + V, L)[:, :P]
     kv = (torch.randn(B, L + R, generator=g) * 3).to(DEV)[:, :L]
     norm_w, k_rope = torch.randn(L, generator=g).to(DEV), torch.randn(B, R, generator=g).to(DEV)
-    buf = torch.randn(64, 1, L + R, generator=g).to(DEV)
-    slots = torch.randperm(63, generator=g)[:B].add(1).to(DEV)
+    buf = torch.randn(128, 1, L + R, generator=g).to(DEV)
+    slots = torch.randperm(127, generator=g)[:B].add(1).to(DEV)
     from runtime.ops.mla import step
     want_buf = buf.clone()
     want = step.mla_step_prep_ref(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, want_buf, slots)

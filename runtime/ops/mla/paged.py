@@ -8,7 +8,8 @@ are positions 0..seq_lens[b]-1, stored at ``block_table[b, p // block_size] * bl
 of the buffer; ``gather_idx`` lists the same rows, and the step's attention mask masks out every other key.
 
 The MLA pass (passes/mla.py), when a one-token decode's latent and rope key come straight from this op,
-emits ``hybrid::mla_attention_paged`` instead of ``hybrid::mla_attention``: W_UK absorbed into the query,
+emits ``hybrid::mla_decode_step`` (when it also proves the step's cache write and kv_a_layernorm, which the op then
+does itself) or ``hybrid::mla_attention_paged`` instead of ``hybrid::mla_attention``: W_UK absorbed into the query,
 split-KV ``hybrid::mla_decode`` over the pages in place, W_UV applied to the output (by the split-KV merge
 kernel itself at up to ``CONFIGS["merge_uv"]["uv_max_batch"]`` sequences, kernels.py). The gather (a copy of
 every cached token, then read again) disappears from the graph; each cached token's L + R values are read

@@ -3,7 +3,7 @@ written into the pages and the query absorbed, one Triton kernel.
 
 HF computes, per DeepSeek attention and decode step: ``kv_a_layernorm`` over the new token's latent, the
 concatenation ``[latent | k_rope]`` written into the cache, and (in hybrid's absorbed attention) the query's nope
-part times W_UK per head. Compiled by Inductor these are three kernels (norm, cache write) plus a cuBLAS batched
+part times W_UK per head. Compiled by Inductor these are two kernels (the norm, the cache write) plus a cuBLAS batched
 matmul, each a fixed cost of 2-3 us for a few KB of data at one sequence. ``_mla_step_prep_kernel`` runs all of
 them as one grid:
 
