@@ -68,15 +68,24 @@ def test_route_triton_bf16_logits_without_bias():
     torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,router_fp32", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
-@pytest.mark.parametrize("T,E,H", [(1, 64, 200), (3, 10, 600), (37, 10, 50), (17, 6, 130)])
-def test_router_logits_triton_matches_reference(T, E, H, dtype, router_fp32):
+@pytest.mark.parametrize("dtype,wdtype,router_fp32", [(torch.float32, torch.float32, True),
+                                                     (torch.bfloat16, torch.bfloat16, True),
+                                                     (torch.bfloat16, torch.bfloat16, False),
+                                                     (torch.bfloat16, torch.float32, True)])
+@pytest.mark.parametrize("T,E,H", [(1, 64, 200), (3, 10, 600), (37, 10, 50), (17, 6, 130), (70, 10, 50)])
+def test_router_logits_triton_matches_reference(T, E, H, dtype, wdtype, router_fp32, monkeypatch):
     """The router GEMM in Triton = reference.router_logits: fp32 logits, or rounded to x's dtype (one step of
     that dtype apart at most: another summation order). H crosses the K tiles, E is not a multiple of 16; T <= 4
-    takes the matrix-vector kernel."""
+    takes the matrix-vector kernel, and so do up to 64 tokens where the dot is exact fp32 (an fp32 model, or
+    transformers 5.24's fp32 router weight under a bf16 model)."""
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda k: launched.append(k.fn.__name__) or launch(k))
     x = randn(T, H, dtype=dtype)
-    w = randn(E, H, scale=H ** -0.5, dtype=dtype)
+    w = randn(E, H, scale=H ** -0.5, dtype=wdtype)
     got = kernels.router_logits_triton(x, w, router_fp32)
+    fp32_dot = router_fp32 and (dtype == torch.float32 or wdtype != dtype)
+    assert launched == ["_router_gemv_kernel" if T <= 4 or (fp32_dot and T <= 64) else "_router_gemm_kernel"]
     want = reference.router_logits(x, w, router_fp32)
     assert got.dtype == torch.float32 and got.shape == (T, E)
     tol = dict(rtol=1e-5, atol=1e-5) if router_fp32 else dict(rtol=8e-3, atol=1e-2)

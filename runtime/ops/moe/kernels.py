@@ -61,6 +61,11 @@ TUNED: dict[tuple[int, int, int, int], dict[int, dict]] = {}
 
 # Up to this many tokens the router logits are matrix-vector products on the CUDA cores (_router_gemv_kernel).
 ROUTER_GEMV_MAX_T = 4
+# ... and up to this many when the dot must be exact fp32 (an fp32 router weight, as transformers 5.24 keeps
+# DeepSeek's, or an fp32 model): the [16, 16]-tile kernel then multiplies on the CUDA cores too, on only
+# cdiv(T, 16) * cdiv(E, 16) programs (4 at DeepSeek's 64 experts and 8 tokens: 43 us a call on the H200 against
+# 6.7 us for the bf16 weight of 5.17, bench/results/2026-11-30_engine_mla_step_glu_h200.md). Not timed yet.
+ROUTER_GEMV_F32_MAX_T = 64
 # Largest (T*k) * next_pow2(E) handled by the single-program alignment kernel; above it: 3 kernels.
 ALIGN_SINGLE_MAX = 16384
 NUM_SMS_GUESS = 132  # H200; only used by the split-K heuristic (a pure function of shapes)
@@ -409,17 +414,18 @@ def router_logits_triton(x: torch.Tensor, router_w: torch.Tensor, router_fp32: b
     if T == 0:
         return logits
     rnd = not router_fp32 and x.dtype != torch.float32  # F.linear(x, w.to(x.dtype)) rounds to x.dtype
-    if bucket_for(T) <= ROUTER_GEMV_MAX_T:  # a few tokens (a bucket bound: no guard of its own): one matrix-vector
+    if router_fp32:  # F.linear(x.float(), w.float()): 16-bit operands of one dtype multiply exactly in fp32
+        dot_dtype = torch.float32 if x.dtype == torch.float32 or router_w.dtype != x.dtype else x.dtype
+    else:  # F.linear(x, w.to(x.dtype)), rounded to x.dtype
+        dot_dtype = x.dtype
+    gemv_max = ROUTER_GEMV_F32_MAX_T if dot_dtype == torch.float32 else ROUTER_GEMV_MAX_T
+    if bucket_for(T) <= gemv_max:  # a few tokens (a bucket bound: no guard of its own): one matrix-vector
         # product per token, one program per expert (DeepSeek-V2-Lite's 64 x 2048 router on the H200: 2.6 us a
         # call; 4.2 us with 4 experts per program; 6.0 us for the [16, 16] tensor-core tiles)
         _launch(_router_gemv_kernel)[(T, E)](
             x, router_w, logits, E, H, x.stride(0), x.stride(1), router_w.stride(0), router_w.stride(1),
             BK=512, ROUND=rnd, num_warps=4, num_stages=3, **pdl_opts(x))
         return logits
-    if router_fp32:  # F.linear(x.float(), w.float()): 16-bit operands of one dtype multiply exactly in fp32
-        dot_dtype = torch.float32 if x.dtype == torch.float32 or router_w.dtype != x.dtype else x.dtype
-    else:  # F.linear(x, w.to(x.dtype)), rounded to x.dtype
-        dot_dtype = x.dtype
     if _cast_f32(dot_dtype):
         dot_dtype = torch.float32
     _launch(_router_gemm_kernel)[(triton.cdiv(T, 16), triton.cdiv(E, 16))](
