@@ -27,6 +27,7 @@ from torch.library import wrap_triton
 
 from ..library import pdl_opts, pdl_start, size_hint
 from ..linear.norm import add_rms_norm_ref
+from .dropin import _per_head_matmul
 
 #: q programs: BLOCK_L latent columns each (B=1 at DeepSeek widths: 16 heads x 4 = 64 programs, 32 KB of W_UK
 #: each), up to max_block_b sequences per tile (W_UK is read once per tile of sequences)
@@ -95,7 +96,7 @@ def mla_step_prep_ref(q_nope: Tensor, w_uk: Tensor, kv: Tensor, norm_weight: Ten
     _check(q_nope, w_uk, kv, norm_weight, k_rope, buf, slots)
     normed = add_rms_norm_ref(kv, None, norm_weight, eps, kv.dtype != torch.float32, buf.dtype)[0]
     buf.index_copy_(0, slots, torch.cat([normed, k_rope.to(buf.dtype)], -1)[:, None])
-    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    return _per_head_matmul(q_nope[:, :, None], w_uk)[:, :, 0]
 
 
 def mla_step_prep_triton(q_nope: Tensor, w_uk: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, k_rope: Tensor,
