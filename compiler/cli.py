@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="deepseek_v3", help="zoo model (see `hybrid zoo list`)")
     d.add_argument("--tokens", type=int, default=12, help="prompt length")
     d.add_argument("--new-tokens", type=int, default=8, help="tokens to generate")
-    d.add_argument("--disable", action="append", help="turn a pass off (mla, ssm, moe); repeatable")
+    d.add_argument("--disable", action="append", help="turn a pass off (mla, ssm, moe, complex, linear, norm, glu); repeatable")
     d.set_defaults(fn=cmd_demo)
 
     e = sub.add_parser("explain", help="report every MLA / SSM / MoE region and what the passes did")
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--generate", type=int, default=2, help="decode steps to trace too (0: prefill only)")
     e.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     e.add_argument("--device", default="cpu")
-    e.add_argument("--disable", action="append", help="turn a pass off (mla, ssm, moe); repeatable")
+    e.add_argument("--disable", action="append", help="turn a pass off (mla, ssm, moe, complex, linear, norm, glu); repeatable")
     e.add_argument("--verify", action="store_true", help="check each rewrite against eager on the example inputs")
     e.set_defaults(fn=cmd_explain)
 
