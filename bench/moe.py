@@ -247,11 +247,6 @@ def markdown(rows: list[dict], impls: list[str]) -> str:
 def sweep_candidates(T: int) -> list[dict]:
     small = T <= 64
     out = []
-    if T <= 4:  # the down + combine gemv's variants, then (base = no down_gemv) the tensor-core down + combine
-        for bn, bk, warps, stages in [(4, 128, 4, 4), (4, 256, 4, 3), (8, 128, 4, 4), (2, 512, 4, 3),
-                                      (4, 512, 8, 3), (8, 256, 8, 3), (8, 512, 8, 3), (16, 256, 8, 3),
-                                      (16, 128, 4, 4), (4, 1024, 8, 2), (32, 128, 8, 3)]:
-            out.append(dict(kernels._small(), down_gemv=dict(BN=bn, BK=bk, warps=warps, stages=stages)))
     if small:  # the gate/up kernel's variants with the default down, then the down kernel's with the default up
         base = kernels._small()
         for bn, bk, warps, stages in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4),

@@ -164,10 +164,6 @@ SPLIT_CFG = dict(BM=16, up=dict(BN=32, BK=32, GROUP_M=1, warps=4, stages=2),
                  down=dict(BN=32, BK=16, GROUP_M=2, warps=4, stages=2, SPLIT_K=2))
 EXPERT_CASES = [  # T, E, H, I, k, gated, interleaved, activation, dtype, config, pattern
     (1, 6, 48, 40, 2, True, False, "silu", torch.float32, None, "random"),
-    (3, 6, 48, 40, 3, True, True, "gelu_tanh", torch.float32, None, "random"),
-    (3, 5, 37, 128, 1, True, False, "silu", torch.float32, None, "one"),  # I a multiple of the gemv's BK
-    (2, 6, 48, 40, 1, False, False, "relu", torch.float16, None, "random"),
-    (1, 6, 48, 40, 2, True, False, "silu", torch.float32, SPLIT_CFG, "random"),  # the tensor-core down at T=1
     (37, 6, 48, 40, 2, True, False, "silu", torch.float32, None, "random"),
     (37, 6, 48, 40, 2, True, True, "gelu", torch.float32, None, "unused"),
     (37, 6, 48, 40, 2, False, False, "gelu_tanh", torch.float32, None, "random"),
@@ -180,13 +176,8 @@ EXPERT_CASES = [  # T, E, H, I, k, gated, interleaved, activation, dtype, config
 
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: "-".join(map(str, c[:8])) + f"-{c[8]}-"
                          + ("split" if c[9] else "auto") + f"-{c[10]}")
-def test_experts_triton_matches_reference(case, monkeypatch):
-    """Up to 4 tokens (the decode buckets' ``down_gemv``) the down projection and the combine run as one CUDA-core
-    kernel over pair-indexed rows; otherwise (and with a config without it) the tensor-core down GEMM + combine."""
+def test_experts_triton_matches_reference(case):
     T, E, H, I, k, gated, interleaved, act, dtype, cfg, pattern = case
-    launched = []
-    launch = kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda kern: launched.append(kern.fn.__name__) or launch(kern))
     x = randn(T, H + 5, dtype=dtype)[:, 3:H + 3]  # a strided view: the kernels take strides
     w13 = randn(E, 2 * I if gated else I, H, scale=H ** -0.5, dtype=dtype)
     w2 = randn(E, H, I, scale=I ** -0.5, dtype=dtype)
@@ -195,9 +186,6 @@ def test_experts_triton_matches_reference(case, monkeypatch):
     kw = dict(gated=gated, interleaved=interleaved, activation=act)
     out = kernels.experts_triton(x, w13, w2, weights, ids, config=cfg, **kw)
     ref = reference.experts(x, w13, w2, weights, ids, **kw)
-    fused = cfg is None and T <= 4
-    assert launched[-3:] == (["_align_single_kernel", "_gate_up_kernel", "_down_combine_kernel"] if fused
-                             else ["_gate_up_kernel", "_down_kernel", "_combine_kernel"])
     assert out.dtype == dtype and out.shape == (T, H)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -418,7 +406,7 @@ for T in (3, 3000):
     with mode:
         gm = make_fx(lambda x, rw, w13, w2: kernels.moe_triton(x, rw, None, w13, w2, **kw))(x, *ws)
     n = sum(1 for node in gm.graph.nodes if "triton_kernel_wrapper" in str(node.target))
-    assert n >= (4 if T == 3 else 5), gm.code  # at 3 tokens the down projection and the combine are one kernel
+    assert n >= 5, gm.code
 print("ok")
 """
 

@@ -36,9 +36,6 @@ from .reference import ACTIVATIONS, METHODS, check_route_args
 #   up (gate+up GEMM, N = I, K = H) / down (N = H, K = I): BN, BK tiles (>= 16), GROUP_M (grouped tile order
 #   for L2 reuse of weight tiles), warps, stages; down SPLIT_K (None: heuristic from the bucket's bound, so
 #   that enough CTAs stream the weights at small T).
-#   down_gemv (optional: BN output columns per program, BK, warps, stages): the down projection of each token's
-#   k experts and the combine in one kernel on the CUDA cores, one program per (token, BN columns); replaces
-#   the down GEMM + the combine kernel (decode: one launch and the partials' round trip fewer).
 # TUNED[(E, H, I, top_k)] may hold a whole table of the same form for one model shape (fill it from bench).
 # Every choice depends on the bucket only, never on T itself (few guards / recompiles under dynamic shapes).
 # ----------------------------------------------------------------------------------------------------------
@@ -47,14 +44,9 @@ def _small() -> dict:
                 down=dict(BN=64, BK=128, GROUP_M=1, warps=4, stages=4, SPLIT_K=None))
 
 
-def _decode() -> dict:
-    """A few tokens: the down projection and the combine as one CUDA-core kernel (``_down_combine_kernel``)."""
-    return dict(_small(), down_gemv=dict(BN=4, BK=512, warps=8, stages=3))
-
-
 MOE_CONFIGS: dict[int, dict] = {
-    1: _decode(),
-    4: _decode(),
+    1: _small(),
+    4: _small(),
     16: _small(),
     64: dict(BM=16, up=dict(BN=64, BK=128, GROUP_M=4, warps=4, stages=4),
              down=dict(BN=64, BK=128, GROUP_M=4, warps=4, stages=4, SPLIT_K=None)),
@@ -126,7 +118,8 @@ def config_for(T, E: int, H: int, I: int, top_k: int, elem_bytes: int = 2) -> di
     pipelined tiles fit in shared memory."""
     table = TUNED.get((E, H, I, top_k), MOE_CONFIGS)
     bound = bucket_for(T, table)
-    cfg = {name: dict(v) if isinstance(v, dict) else v for name, v in table[bound].items()}
+    cfg = table[bound]
+    cfg = {"BM": cfg["BM"], "up": dict(cfg["up"]), "down": dict(cfg["down"])}
     _fit_smem(cfg["up"], cfg["BM"], 2, elem_bytes)
     _fit_smem(cfg["down"], cfg["BM"], 1, elem_bytes)
     if cfg["down"].get("SPLIT_K") is None:
@@ -635,11 +628,9 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
                     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     TOP_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                    PAIR_ROWS: tl.constexpr = False):
+                    EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """inter[row, n] = act(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) for the BM rows of one expert block.
-    N = I (intermediate size), K = H. Weights [E, 2I or I, H] via strides. PAIR_ROWS: row = the pair's index
-    (token * TOP_K + slot) instead of its place in the sorted layout (``_down_combine_kernel`` reads it so)."""
+    N = I (intermediate size), K = H. Weights [E, 2I or I, H] via strides."""
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_post_ptr):
@@ -694,12 +685,8 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
         h = _act(acc_g, ACT) * acc_u
     else:
         h = _act(acc_u, ACT)
-    if PAIR_ROWS:
-        out_ptrs = inter_ptr + pair[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
-        tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-    else:
-        out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
-        tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
+    out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -769,53 +756,6 @@ def _combine_kernel(buf_ptr, out_ptr, shared_ptr, gate_ptr, N, stride_bs, stride
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _down_combine_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, shared_ptr, gate_ptr, N, K,
-                         stride_im, stride_we, stride_wn, stride_it, stride_ij, stride_rt, stride_rj,
-                         stride_ot, stride_st, stride_gt,
-                         TOP_K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """out[t, n] = sum_j rw[t, j] * (inter[t*k + j] @ w2[ids[t, j], n]) (+ the shared-expert output, as in
-    ``_combine_kernel``) for BN columns n: the down projection and the combine of a few tokens in one launch.
-    Products and sums in fp32 on the CUDA cores (one row per pair: a tensor-core tile would be 15/16 padding),
-    rounded once. The token's expert ids and weights are read up front, so no weight address waits on a load
-    inside the loop over (slot, K chunk) and the pipeliner keeps several weight tiles in flight."""
-    pdl_start(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = rn < N
-    rk = tl.arange(0, BK)
-    slots = tl.arange(0, KP)
-    s_ok = slots < TOP_K
-    ids = tl.load(ids_ptr + t * stride_it + slots * stride_ij, mask=s_ok, other=0).to(tl.int64)
-    rws = tl.load(rw_ptr + t * stride_rt + slots * stride_rj, mask=s_ok, other=0.0).to(tl.float32)
-    nk = tl.cdiv(K, BK)
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for it in range(0, TOP_K * nk):
-        j = it // nk
-        k0 = (it - j * nk) * BK
-        e = tl.sum(tl.where(slots == j, ids, 0))
-        r = tl.sum(tl.where(slots == j, rws, 0.0))
-        cols = k0 + rk
-        a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + cols
-        w_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        if EVEN_K:
-            a = tl.load(a_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        else:
-            a = tl.load(a_ptrs, mask=cols < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-        acc += w * (a * r)[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_SHARED:
-        sh = tl.load(shared_ptr + t * stride_st + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            sh = sh / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gt).to(tl.float32)))
-        y += sh
-    tl.store(out_ptr + t * stride_ot + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
 def _check_experts_args(x, w13, w2, weights, ids, gated, activation):
     assert x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}"
     T, H = x.shape
@@ -857,30 +797,14 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         x = x.to(w13.dtype)
     cast, ieee = _cast_f32(x.dtype), _ieee(x.dtype)
 
-    fused = cfg.get("down_gemv") if w2.stride(2) == 1 else None  # down + combine in one kernel (rows by pair)
-    inter = torch.empty(num_pairs if fused else max_padded, I, dtype=w2.dtype, device=x.device)
+    inter = torch.empty(max_padded, I, dtype=w2.dtype, device=x.device)
     grid = (grid_m * triton.cdiv(I, up["BN"]),)
     _launch(_gate_up_kernel)[grid](
         x, w13, inter, sorted_ids, block_expert, num_post, num_pairs, I, H, grid_m,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         TOP_K=top_k, GATED=bool(gated), INTERLEAVED=bool(interleaved), ACT=_ACT_ID[activation],
         BM=BM, BN=up["BN"], BK=up["BK"], GROUP_M=up["GROUP_M"], EVEN_K=H % up["BK"] == 0,
-        CAST_F32=cast, IEEE=ieee, num_warps=up["warps"], num_stages=up["stages"], PAIR_ROWS=bool(fused),
-        **pdl_opts(x))
-
-    sh, gate = shared if shared is not None else (None, None)
-    assert sh is None or (sh.shape == (T, H) and sh.stride(1) == 1), "shared: [T, H], rows contiguous"
-    assert gate is None or gate.shape == (T, 1), "shared gate: [T, 1]"
-    assert out.stride(1) == 1
-    if fused:
-        _launch(_down_combine_kernel)[(T, triton.cdiv(H, fused["BN"]))](
-            inter, w2, ids, weights, out, sh if sh is not None else out, gate if gate is not None else out, H, I,
-            inter.stride(0), w2.stride(0), w2.stride(1), ids.stride(0), ids.stride(1), weights.stride(0),
-            weights.stride(1), out.stride(0), sh.stride(0) if sh is not None else 0,
-            gate.stride(0) if gate is not None else 0, TOP_K=top_k, KP=triton.next_power_of_2(top_k),
-            BN=fused["BN"], BK=fused["BK"], EVEN_K=I % fused["BK"] == 0, HAS_SHARED=sh is not None,
-            HAS_GATE=gate is not None, num_warps=fused["warps"], num_stages=fused["stages"], **pdl_opts(out))
-        return out
+        CAST_F32=cast, IEEE=ieee, num_warps=up["warps"], num_stages=up["stages"], **pdl_opts(x))
 
     split = max(1, int(down["SPLIT_K"]))
     k_per_split = triton.cdiv(triton.cdiv(I, down["BK"]), split) * down["BK"]
@@ -897,7 +821,11 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         and I % k_per_split == 0, CAST_F32=cast, IEEE=ieee, num_warps=down["warps"], num_stages=down["stages"],
         **pdl_opts(x))
 
+    assert out.stride(1) == 1
     bn = min(1024, triton.next_power_of_2(H))
+    sh, gate = shared if shared is not None else (None, None)
+    assert sh is None or (sh.shape == (T, H) and sh.stride(1) == 1), "shared: [T, H], rows contiguous"
+    assert gate is None or gate.shape == (T, 1), "shared gate: [T, 1]"
     _launch(_combine_kernel)[(T, triton.cdiv(H, bn))](
         buf, out, sh if sh is not None else out, gate if gate is not None else out, H, buf.stride(0), buf.stride(1),
         out.stride(0), sh.stride(0) if sh is not None else 0, gate.stride(0) if gate is not None else 0,
