@@ -6,6 +6,7 @@
     python bench/linear.py --gated --rows 1,2,8,16 [--sweep]      # Mamba2's gated norm + out_proj, fused vs not
     python bench/linear.py --conv                                 # Mamba2's in_proj + conv update, fused vs not
     python bench/linear.py --norm [--sweep]                       # RMSNorm as the gemv's prologue vs a norm kernel
+    python bench/linear.py --glu [--sweep]                        # RMSNorm + gate/up + silu * up in one gemv launch
 
 Shapes: every distinct nn.Linear (out, in) of the zoo's deepseek-v2-lite-shape, mamba2-2.7b-shape and
 mixtral-8x7b-shape models (read from a meta-device build), at M decode rows; and the groups of linears that share
@@ -336,6 +337,55 @@ def norm_row(N: int, K: int, args, dev, dtype) -> dict:
     return r
 
 
+def glu_row(N: int, K: int, args, dev, dtype) -> dict:
+    """A gated MLP's input: RMSNorm + gate and up + silu(gate) * up in one gemv launch (``hybrid::norm_linear`` with
+    glu at one row, the config ``pick_config`` picks) against the same launch without the norm at GEMV's config;
+    --sweep: every gemv config."""
+    from runtime.ops.linear.kernels import GEMV
+    picked = pick_config(1, [N, N], K, norm=True, glu=True)
+    wbytes = 2 * N * K * 2
+    ws, g = cold_weights(2 * N, K, dev, dtype, N + K)
+    pairs = [[w[:N], w[N:]] for w in ws]
+    copies = len(pairs)
+    x = torch.randn(1, K, device=dev, dtype=dtype, generator=g)
+    nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=dtype, generator=g)
+    norm = (nw, 1e-6, None, None, False)
+    small = {} if dev == "cuda" else dict(block_k=64)
+    got = linear_triton(x, pairs[0], config=dict(picked, **small), norm=norm, glu=True)[0].float()
+    h = nw * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    gate, up = (torch.nn.functional.linear(h, w).float() for w in pairs[0])
+    want = torch.nn.functional.silu(gate) * up
+    r = dict(model="rmsnorm + gated MLP input", layer=f"2x{N}x{K}", M=1, N=(N, N), K=K, weight_mb=wbytes / 2**20,
+             rel_err=((got - want).abs().max() / want.abs().max()).item(), picked=picked)
+    if dev != "cuda":
+        return r
+    R = max(8, copies)
+    r["alone_us"] = per_call_us([lambda i=i: linear_triton(x, pairs[i % copies], config=GEMV, glu=True)
+                                 for i in range(R)])
+    r["ours_us"] = per_call_us([lambda i=i: linear_triton(x, pairs[i % copies], config=picked, norm=norm, glu=True)
+                                for i in range(R)])
+    if args.sweep:
+        best = None
+        for cfg in sweep_configs(1, 2):
+            t = per_call_us([lambda i=i: linear_triton(x, pairs[i % copies], config=cfg, norm=norm, glu=True)
+                             for i in range(R)])
+            tag(f"  glu N={N} K={K} {cfg}: {t:.2f} us")
+            best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
+        r["best_us"], r["best"] = best
+    add_pct(r, wbytes + K * 2 + N * 2)
+    tag(f"norm + glu N={N} K={K}: without the norm {r['alone_us']:.2f} us, with it {r['ours_us']:.2f} us")
+    return r
+
+
+def glu_table(rows: list[dict]) -> str:
+    lines = ["| gate + up N x K | GLU gemv without the norm us (% of 4.3 TB/s) | with the norm (picked config) us | "
+             "best swept us | best config | rel err |", "|" + "---|" * 6]
+    for r in rows:
+        f, err, bcfg = _cells(r)
+        lines.append(f"| {r['layer']} | {f('alone_us')} | {f('ours_us')} | {f('best_us')} | {bcfg} | {err} |")
+    return "\n".join(lines)
+
+
 def norm_table(rows: list[dict]) -> str:
     lines = ["| N x K | Inductor norm + hybrid::linear us (% of 4.3 TB/s) | the linear alone us | norm as the gemv's "
              "prologue us | x before | best swept us | best config | rel err |", "|" + "---|" * 8]
@@ -357,6 +407,7 @@ def main() -> int:
     ap.add_argument("--gated", action="store_true", help="Mamba2's gated norm + out_proj, fused vs not")
     ap.add_argument("--conv", action="store_true", help="Mamba2's in_proj with its conv-update epilogue vs without")
     ap.add_argument("--norm", action="store_true", help="RMSNorm as the gemv kernel's prologue vs a norm kernel first")
+    ap.add_argument("--glu", action="store_true", help="RMSNorm + a gated MLP's gate/up/activation in one gemv launch")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -365,6 +416,12 @@ def main() -> int:
         rows = [norm_row(N, K, args, dev, dtype) for N, K in shapes]
         write(args.out, "linear_norm", rows, norm_table(rows))
         print(norm_table(rows))
+        return 0
+    if args.glu:  # DeepSeek-V2-Lite's dense MLP and its shared experts
+        shapes = [(10944, 2048), (2816, 2048)] if cuda else [(40, 130)]
+        rows = [glu_row(N, K, args, dev, dtype) for N, K in shapes]
+        write(args.out, "linear_glu", rows, glu_table(rows))
+        print(glu_table(rows))
         return 0
     if args.conv:  # mamba2-2.7b: in_proj [2 * 5120 + 2 * 128 + 80, 2560], conv channels 5120 + 2 * 128 from 5120
         rows = [conv_row(10576, 2560, 5376, 5120, dev, dtype) if cuda else conv_row(70, 48, 40, 9, dev, dtype)]

@@ -64,6 +64,9 @@ def test_pick_config_leaves_cublas_shapes():
     assert pick_config(1, [10944, 10944], 2048, norm=True) == kernels.GEMV_NORM  # groups too,
     assert pick_config(1, [102400], 2048, norm=True) is None  # not an lm_head (the dot kernel after the norm's)
     assert pick_config(2, [2048], 2048, norm=True) is None
+    assert pick_config(1, [10944, 10944], 2048, norm=True, glu=True) == kernels.GEMV_GLU_BIG  # GLU: 4 warps, and
+    assert pick_config(1, [2816, 2816], 2048, norm=True, glu=True) == kernels.GEMV_NORM      # wide steps when big
+    assert pick_config(2, [2816, 2816], 2048, norm=True, glu=True) is None
 
 
 def test_ops_dispatch(monkeypatch):

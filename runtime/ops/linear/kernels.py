@@ -245,15 +245,25 @@ GEMV_GATED = dict(kind="gemv", block_n=8, block_k=1024, warps=8, stages=4)
 #: see pick_config); at DeepSeek's q_proj + kv_a_proj (5.8 against 8.9) and a 2560 x 5120 weight the best had block_k
 #: 1024 (bench/linear.py --norm --sweep: results/2026-11-30_linear_gemv_norm_h200.json)
 GEMV_NORM = dict(kind="gemv", block_n=8, block_k=512, warps=4, stages=4)
+#: gate + up with the GLU epilogue (each program reads the rows of both), one row, both weights 40 MB and more:
+#: at DeepSeek-V2-Lite's dense MLP (2 x 10944 x 2048, 86 MB) with its RMSNorm prologue 24.4 us against 26.4 at
+#: GEMV_NORM and 28.3 at GEMV's 8 warps; at its shared experts (2 x 2816 x 2048) GEMV_NORM stayed the best (8.3 us)
+#: and GEMV took 12.8 (bench/linear.py --glu --sweep: results/2026-11-30_linear_glu_sweep_h200.json)
+GEMV_GLU_BIG = dict(kind="gemv", block_n=4, block_k=1024, warps=4, stages=4)
 
 
-def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool = False) -> dict | None:
+def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool = False,
+                glu: bool = False) -> dict | None:
     """Launch config for x [M, K] times the weights [N_i, K] (one launch), or None: leave it to cuBLAS.
     2-16 rows: only weights of 128 MB and more (lm_head), where the 16-row tile beat cuBLAS by 3-8% at M = 8
     (``bench/linear.py --sweep``); below that cuBLAS is as fast. gated (a gated RMSNorm prologue, one weight):
     one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
+    if glu:  # the gemv's epilogue: one row, with or without the norm prologue (4 warps beat 8 either way)
+        if M != 1 or (norm and sum(Ns) * K * 2 >= 128 << 20):
+            return None
+        return GEMV_GLU_BIG if sum(Ns) * K * 2 >= 40 << 20 else GEMV_NORM
     if norm:  # one row, weights below 128 MB: the gemv kernel (the dot kernel's prologue ran 1.7-3.5x slower). In
         # the engine the lm_heads ran 9-16 us slower as this gemv than on the dot kernel (DeepSeek 400 MB, Mixtral
         # 250 MB, Mamba2 257 MB with its fp32 input: every program rereads the input row), more than the norm
@@ -291,7 +301,7 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     glu (two weights of one shape, gate then up, one row): [silu(x @ gate^T) * (x @ up^T)] instead, one output."""
     M, K = x.shape
     Ns = [w.shape[0] for w in weights]
-    cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None)
+    cfg = config or pick_config(M, Ns, K, gate is not None, norm is not None, glu)
     assert cfg is not None, f"no Triton config for M={M}, N={Ns}, K={K}: use F.linear"
     assert all(w.shape[1] == K and w.stride(1) == 1 for w in weights) and x.stride(1) == 1, \
         "x and the weights must have contiguous rows of K"
