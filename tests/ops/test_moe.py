@@ -145,10 +145,12 @@ def check_layout(ids, E, bm, layout):
 
 
 @pytest.mark.parametrize("method", reference.METHODS)
-@pytest.mark.parametrize("T, E, k, bm", [(1, 6, 2, 16), (1, 64, 6, 16), (37, 10, 3, 4), (300, 6, 2, 16)])
+@pytest.mark.parametrize("T, E, k, bm", [(1, 6, 2, 16), (1, 64, 6, 16), (1, 10, 3, 4), (37, 10, 3, 4),
+                                         (300, 6, 2, 16)])
 def test_route_align_in_one_launch_equals_route_then_align(method, T, E, k, bm):
     """One program routes every row (several row blocks at T=37, 300) and aligns every pair (several chunks at
-    T=300): the same weights and ids as route_triton, the same layout as align_triton."""
+    T=300): the same weights and ids as route_triton, the same layout as align_triton. At T=1 the layout comes from
+    the ids in registers (ONE_ROW), without the counting pass."""
     kw = dict(method=method, top_k=k, renormalize=True, scale=1.5, n_group=2, topk_group=1)
     logits, bias = randn(T, E), randn(E) if method == "sigmoid_group_topk" else None
     weights, ids, layout = kernels.route_align_triton(logits, bias, **kw, block_m=bm)

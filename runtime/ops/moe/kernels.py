@@ -230,18 +230,49 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
                         METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
                         BM: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, ONE_ROW: tl.constexpr = False):
     """Decode's routing in one launch: route every row (BLOCK_T at a time), then align the T * k pairs from the
     ids this program just wrote; the barrier makes every thread's id stores visible to the loads that follow.
     Correct at any T; chosen at a few tokens (``route_align_triton``), where the route and align launches were
-    two kernels of about 2-3 us each in a 40 us MoE layer (DeepSeek-V2-Lite shape, B=1, H200)."""
+    two kernels of about 2-3 us each in a 40 us MoE layer (DeepSeek-V2-Lite shape, B=1, H200).
+    ONE_ROW (T == 1): the k experts are distinct, so the layout is k one-pair blocks in expert order, written from
+    the ids in registers: no store, barrier and reload of the ids, no counting pass. The same layout as align's."""
     pdl_start(PDL)
-    for row0 in range(0, T, BLOCK_T):
-        _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, E, EP, TOP_K, KP,
-                    METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
-    tl.debug_barrier()
-    _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T * TOP_K, MAX_PADDED, MAX_BLOCKS, E, EP, BM,
-                 BLOCK, TAIL, BB)
+    if ONE_ROW:
+        id_acc = _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, 0, T, stride_lt, stride_le, scale, E, EP, TOP_K,
+                             KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+        _one_row_layout(id_acc, sorted_ptr, block_expert_ptr, num_post_ptr, MAX_PADDED, MAX_BLOCKS, TOP_K, KP,
+                        BLOCK_T, BM, TAIL, BB)
+    else:
+        for row0 in range(0, T, BLOCK_T):
+            _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, E, EP, TOP_K, KP,
+                        METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+        tl.debug_barrier()
+        _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T * TOP_K, MAX_PADDED, MAX_BLOCKS, E, EP,
+                     BM, BLOCK, TAIL, BB)
+
+
+@triton.jit
+def _one_row_layout(id_acc, sorted_ptr, block_expert_ptr, num_post_ptr, MAX_PADDED, MAX_BLOCKS,
+                    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BM: tl.constexpr,
+                    TAIL: tl.constexpr, BB: tl.constexpr):
+    """align's layout of one token's k distinct experts from its ids [BLOCK_T, KP] (row 0): pair j heads block
+    rank(j) (its expert's place among the k in ascending order), every other slot holds the sentinel k, block b < k
+    belongs to the expert of rank b, the rest to -1; each address is written once (no ordering between threads)."""
+    kc = tl.arange(0, KP)
+    kv = kc < TOP_K
+    ids0 = tl.sum(tl.where(tl.arange(0, BLOCK_T)[:, None] == 0, id_acc, 0), axis=0)        # [KP]
+    rank = tl.sum(((ids0[None, :] < ids0[:, None]) & kv[None, :]).to(tl.int32), axis=1)     # [KP]
+    tl.store(sorted_ptr + rank * BM, kc, mask=kv)
+    for p0 in range(0, MAX_PADDED, TAIL):
+        p = p0 + tl.arange(0, TAIL)
+        head = (p % BM == 0) & (p // BM < TOP_K)
+        tl.store(sorted_ptr + p, tl.full([TAIL], TOP_K, tl.int32), mask=(p < MAX_PADDED) & ~head)
+    tl.store(block_expert_ptr + rank, ids0, mask=kv)
+    for b0 in range(0, MAX_BLOCKS, BB):
+        b = b0 + tl.arange(0, BB)
+        tl.store(block_expert_ptr + b, tl.full([BB], -1, tl.int32), mask=(b >= TOP_K) & (b < MAX_BLOCKS))
+    tl.store(num_post_ptr, TOP_K * BM)
 
 
 @triton.jit
@@ -330,6 +361,7 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
     offs = rows[:, None] * TOP_K + kcols[None, :]
     tl.store(w_ptr + offs, w_acc, mask=omask)
     tl.store(ids_ptr + offs, id_acc, mask=omask)
+    return id_acc
 
 
 def _route_launch(logits: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, renormalize: bool,
@@ -389,7 +421,7 @@ def route_align_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, metho
     block = max(16, min(256, _pow2_at_least(size_hint(N))))
     _launch(_route_align_kernel)[(1,)](
         *args, *layout, T, logits.stride(0), logits.stride(1), float(scale), max_padded, max_blocks, **meta,
-        BM=block_m, BLOCK=block, TAIL=1024, BB=64, **pdl_opts(logits))
+        BM=block_m, BLOCK=block, TAIL=1024, BB=64, ONE_ROW=bucket_for(T) == 1, **pdl_opts(logits))
     return weights, ids, layout
 
 
