@@ -64,7 +64,9 @@ ROUTER_GEMV_MAX_T = 4
 # ... and up to this many when the dot must be exact fp32 (an fp32 router weight, as transformers 5.24 keeps
 # DeepSeek's, or an fp32 model): the [16, 16]-tile kernel then multiplies on the CUDA cores too, on only
 # cdiv(T, 16) * cdiv(E, 16) programs (4 at DeepSeek's 64 experts and 8 tokens: 43 us a call on the H200 against
-# 6.7 us for the bf16 weight of 5.17, bench/results/2026-11-30_engine_mla_step_glu_h200.md). Not timed yet.
+# 6.7 us for the bf16 weight of 5.17, bench/results/2026-11-30_engine_mla_step_glu_h200.md). With this bound the
+# DeepSeek engine step under 5.24 went 1.024 -> 0.900 ms at B=8 and 1.924 -> 1.383 ms at B=64
+# (bench/results/2026-11-30_engine_one_row_route_h200.md).
 ROUTER_GEMV_F32_MAX_T = 64
 # Largest (T*k) * next_pow2(E) handled by the single-program alignment kernel; above it: 3 kernels.
 ALIGN_SINGLE_MAX = 16384
