@@ -423,7 +423,7 @@ def route_align_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, metho
     block = max(16, min(256, _pow2_at_least(size_hint(N))))
     _launch(_route_align_kernel)[(1,)](
         *args, *layout, T, logits.stride(0), logits.stride(1), float(scale), max_padded, max_blocks, **meta,
-        BM=block_m, BLOCK=block, TAIL=1024, BB=64, ONE_ROW=bucket_for(T) == 1, **pdl_opts(logits))
+        BM=block_m, BLOCK=block, TAIL=1024, BB=64, ONE_ROW=bool(T == 1), **pdl_opts(logits))
     return weights, ids, layout
 
 
