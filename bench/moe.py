@@ -32,7 +32,7 @@ import triton  # noqa: E402
 import transformers  # noqa: E402
 
 from bench.common import environment  # noqa: E402
-from runtime.ops.moe import kernels, reference  # noqa: E402
+from runtime.ops.moe import common, experts, reference, routing  # noqa: E402
 
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
 BATCHED_MM_MAX_BYTES = 12e9  # batched_mm gathers one weight copy per (token, slot): skip beyond this
@@ -133,7 +133,7 @@ def bench_row(name: str, shape: dict, T: int, w13, w2, router_w, dtype, dev, imp
                     n_group=1, topk_group=1)
     x = torch.randn(T, H, device=dev, dtype=dtype)
     logits = reference.router_logits(x, router_w, False)
-    weights, ids32 = kernels.route_triton(logits, None, **route_kw)
+    weights, ids32 = routing.route_triton(logits, None, **route_kw)
     ids = ids32.long()  # HF routers hand int64 ids
     touched = int(torch.unique(ids).numel())
     expected = E * (1 - (1 - k / E) ** T)
@@ -142,7 +142,7 @@ def bench_row(name: str, shape: dict, T: int, w13, w2, router_w, dtype, dev, imp
                roofline_ms=floor_ms, bytes=nbytes, flops=flops, hf={}, hf_graphed={}, skipped={})
 
     def ours():
-        return kernels.experts_triton(x, w13, w2, weights, ids, gated=True, interleaved=False, activation="silu")
+        return experts.experts_triton(x, w13, w2, weights, ids, gated=True, interleaved=False, activation="silu")
 
     # correctness first: ours vs every HF implementation that runs
     out = ours()
@@ -172,13 +172,13 @@ def bench_row(name: str, shape: dict, T: int, w13, w2, router_w, dtype, dev, imp
         + ", ".join(f"{i} {e:.1e}" for i, e in row.get("rel_err", {}).items()) + ("" if ok else "  MISMATCH"))
 
     # timings
-    row["route_ms"], _ = time_ms(lambda: kernels.route_triton(logits, None, **route_kw), graph=not args.no_graph)
-    row["align_ms"], _ = time_ms(lambda: kernels.align_triton(ids, E, kernels.config_for(T, E, H, I, k)["BM"]),
+    row["route_ms"], _ = time_ms(lambda: routing.route_triton(logits, None, **route_kw), graph=not args.no_graph)
+    row["align_ms"], _ = time_ms(lambda: routing.align_triton(ids, E, common.config_for(T, E, H, I, k)["BM"]),
                                  graph=not args.no_graph)
-    row["route_align_ms"], _ = time_ms(lambda: kernels.route_align_triton(
-        logits, None, **route_kw, block_m=kernels.config_for(T, E, H, I, k)["BM"]), graph=not args.no_graph)
+    row["route_align_ms"], _ = time_ms(lambda: routing.route_align_triton(
+        logits, None, **route_kw, block_m=common.config_for(T, E, H, I, k)["BM"]), graph=not args.no_graph)
     row["ours_ms"], row["ours_graphed"] = time_ms(ours, graph=not args.no_graph)
-    row["full_ms"], _ = time_ms(lambda: kernels.moe_triton(
+    row["full_ms"], _ = time_ms(lambda: experts.moe_triton(
         x, router_w, None, w13, w2, **route_kw, gated=True, interleaved=False, activation="silu", router_fp32=False),
         graph=not args.no_graph)
     for impl in impls:
@@ -248,7 +248,7 @@ def sweep_candidates(T: int) -> list[dict]:
     small = T <= 64
     out = []
     if small:  # the gate/up kernel's variants with the default down, then the down kernel's with the default up
-        base = kernels._small()
+        base = common.small_config()
         for bn, bk, warps, stages in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4),
                                       (64, 64, 4, 5), (32, 128, 8, 5), (64, 128, 8, 3), (16, 128, 4, 6),
                                       (32, 64, 4, 6)]:
@@ -273,14 +273,14 @@ def sweep(shape_name, shape, T, w13, w2, router_w, dtype, dev, args) -> list[dic
     E, H, I, k = shape["E"], shape["H"], shape["I"], shape["k"]
     x = torch.randn(T, H, device=dev, dtype=dtype)
     logits = reference.router_logits(x, router_w, False)
-    weights, ids = kernels.route_triton(logits, None, method=shape["method"], top_k=k,
+    weights, ids = routing.route_triton(logits, None, method=shape["method"], top_k=k,
                                         renormalize=shape["renormalize"], scale=1.0)
-    base = kernels.experts_triton(x, w13, w2, weights, ids, gated=True, interleaved=False, activation="silu")
+    base = experts.experts_triton(x, w13, w2, weights, ids, gated=True, interleaved=False, activation="silu")
     touched = int(torch.unique(ids).numel())
     floor_ms = roofline(shape, T, touched)[0]
     res = []
-    for cfg in [kernels.config_for(T, E, H, I, k)] + sweep_candidates(T):
-        fn = lambda cfg=cfg: kernels.experts_triton(x, w13, w2, weights, ids, gated=True, interleaved=False,  # noqa
+    for cfg in [common.config_for(T, E, H, I, k)] + sweep_candidates(T):
+        fn = lambda cfg=cfg: experts.experts_triton(x, w13, w2, weights, ids, gated=True, interleaved=False,  # noqa
                                                     activation="silu", config=cfg)
         try:
             err = rel_err(fn(), base)
@@ -309,12 +309,12 @@ def record_launches(fn) -> list[tuple]:
         def __getitem__(self, grid):
             return lambda *a, **kw: launches.append((self.kernel, grid, a, kw))
 
-    saved = kernels._launch
-    kernels._launch = _Recorder
+    saved = common.launch
+    common.launch = _Recorder
     try:
         fn()
     finally:
-        kernels._launch = saved
+        common.launch = saved
     return launches
 
 
@@ -378,7 +378,7 @@ def compile_check(shapes: dict, tokens: list[int], cap: int = 90) -> list[dict]:
         rw = torch.empty(E, H, device="meta", dtype=dtype)
         for T in tokens:
             x = torch.empty(T, H, device="meta", dtype=dtype)
-            launches = record_launches(lambda: kernels.moe_triton(
+            launches = record_launches(lambda: experts.moe_triton(
                 x, rw, None, w13, w2, method=shape["method"], top_k=k, renormalize=shape["renormalize"],
                 scale=shape["scale"], n_group=1, topk_group=1, gated=True, interleaved=False, activation="silu",
                 router_fp32=False))
@@ -466,7 +466,7 @@ def main(argv=None) -> int:
         print(markdown(rows, impls), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(environment(), dtype=str(dtype), configs={str(k): v for k, v in kernels.MOE_CONFIGS.items()})
+        meta = dict(environment(), dtype=str(dtype), configs={str(k): v for k, v in common.MOE_CONFIGS.items()})
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, sweeps=sweeps, failures=failures), indent=1,
                                              default=str))
         log(f"wrote {args.out}")

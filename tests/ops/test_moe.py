@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from runtime.ops.moe import kernels, ops, reference
+from runtime.ops.moe import common, experts, ops, reference, routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_route_triton_matches_reference(method, case):
     bias = randn(E, scale=0.1)
     kw = dict(method=method, top_k=k, renormalize=renorm, scale=scale, n_group=n_group, topk_group=topk_group)
     ref_w, ref_i = sort_pairs(*reference.route(logits, bias, **kw))
-    tri_w, tri_i = sort_pairs(*kernels.route_triton(logits, bias, **kw))
+    tri_w, tri_i = sort_pairs(*routing.route_triton(logits, bias, **kw))
     assert torch.equal(ref_i, tri_i)
     torch.testing.assert_close(tri_w, ref_w, rtol=1e-5, atol=1e-6)
 
@@ -63,7 +63,7 @@ def test_route_triton_bf16_logits_without_bias():
     logits = randn(5, 8, scale=2.0, dtype=torch.float16)
     kw = dict(method="sigmoid_group_topk", top_k=2, renormalize=True, scale=1.0, n_group=4, topk_group=2)
     ref = sort_pairs(*reference.route(logits, None, **kw))
-    tri = sort_pairs(*kernels.route_triton(logits, None, **kw))
+    tri = sort_pairs(*routing.route_triton(logits, None, **kw))
     assert torch.equal(ref[1], tri[1])
     torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-6)
 
@@ -79,11 +79,11 @@ def test_router_logits_triton_matches_reference(T, E, H, dtype, wdtype, router_f
     takes the matrix-vector kernel, and so do up to 64 tokens where the dot is exact fp32 (an fp32 model, or
     transformers 5.24's fp32 router weight under a bf16 model)."""
     launched = []
-    launch = kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda k: launched.append(k.fn.__name__) or launch(k))
+    launch = common.launch
+    monkeypatch.setattr(common, "launch", lambda k: launched.append(k.fn.__name__) or launch(k))
     x = randn(T, H, dtype=dtype)
     w = randn(E, H, scale=H ** -0.5, dtype=wdtype)
-    got = kernels.router_logits_triton(x, w, router_fp32)
+    got = routing.router_logits_triton(x, w, router_fp32)
     fp32_dot = router_fp32 and (dtype == torch.float32 or wdtype != dtype)
     assert launched == ["_router_gemv_kernel" if T <= 4 or (fp32_dot and T <= 64) else "_router_gemm_kernel"]
     want = reference.router_logits(x, w, router_fp32)
@@ -92,8 +92,8 @@ def test_router_logits_triton_matches_reference(T, E, H, dtype, wdtype, router_f
     torch.testing.assert_close(got, want, **tol)
     if not router_fp32:  # the values are x.dtype values
         assert torch.equal(got, got.to(dtype).float())
-    assert kernels.use_router_gemm(1, 64, 2048) and not kernels.use_router_gemm(4096, 64, 2048)
-    assert not kernels.use_router_gemm(1, 256, 7168)  # DeepSeek-V3's router (3.7 MB) keeps cuBLAS
+    assert routing.use_router_gemm(1, 64, 2048) and not routing.use_router_gemm(4096, 64, 2048)
+    assert not routing.use_router_gemm(1, 256, 7168)  # DeepSeek-V3's router (3.7 MB) keeps cuBLAS
 
 
 # ---------------------------------------------------------------------------------------------- alignment
@@ -114,7 +114,7 @@ def test_align_invariants(case):
     ids = random_ids(T, k, E, pattern)
     if T == 300:
         ids = ids.long()  # HF hands int64 ids
-    check_layout(ids, E, bm, kernels.align_triton(ids, E, bm, path=path))
+    check_layout(ids, E, bm, routing.align_triton(ids, E, bm, path=path))
 
 
 def check_layout(ids, E, bm, layout):
@@ -153,11 +153,11 @@ def test_route_align_in_one_launch_equals_route_then_align(method, T, E, k, bm):
     the ids in registers (ONE_ROW), without the counting pass."""
     kw = dict(method=method, top_k=k, renormalize=True, scale=1.5, n_group=2, topk_group=1)
     logits, bias = randn(T, E), randn(E) if method == "sigmoid_group_topk" else None
-    weights, ids, layout = kernels.route_align_triton(logits, bias, **kw, block_m=bm)
-    ref_w, ref_i = kernels.route_triton(logits, bias, **kw)
+    weights, ids, layout = routing.route_align_triton(logits, bias, **kw, block_m=bm)
+    ref_w, ref_i = routing.route_triton(logits, bias, **kw)
     assert torch.equal(ids, ref_i) and torch.equal(weights, ref_w)
     check_layout(ids, E, bm, layout)
-    for got, want in zip(layout, kernels.align_triton(ref_i, E, bm)):
+    for got, want in zip(layout, routing.align_triton(ref_i, E, bm)):
         assert torch.equal(got, want)
 
 
@@ -186,7 +186,7 @@ def test_experts_triton_matches_reference(case):
     ids = random_ids(T, k, E, pattern)
     weights = torch.rand(T, k, device=DEV) + 0.1
     kw = dict(gated=gated, interleaved=interleaved, activation=act)
-    out = kernels.experts_triton(x, w13, w2, weights, ids, config=cfg, **kw)
+    out = experts.experts_triton(x, w13, w2, weights, ids, config=cfg, **kw)
     ref = reference.experts(x, w13, w2, weights, ids, **kw)
     assert out.dtype == dtype and out.shape == (T, H)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -396,7 +396,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from runtime.ops.moe import kernels
+from runtime.ops.moe import experts
 E, H, I = 6, 48, 40
 kw = dict(method="softmax_topk", top_k=2, renormalize=True, scale=1.0, n_group=1, topk_group=1, gated=True,
           interleaved=False, activation="silu", router_fp32=False)
@@ -406,7 +406,7 @@ for T in (3, 3000):
         dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
     ws = [mode.from_tensor(torch.randn(*s, dtype=torch.bfloat16)) for s in ((E, H), (E, 2 * I, H), (E, H, I))]
     with mode:
-        gm = make_fx(lambda x, rw, w13, w2: kernels.moe_triton(x, rw, None, w13, w2, **kw))(x, *ws)
+        gm = make_fx(lambda x, rw, w13, w2: experts.moe_triton(x, rw, None, w13, w2, **kw))(x, *ws)
     n = sum(1 for node in gm.graph.nodes if "triton_kernel_wrapper" in str(node.target))
     assert n >= 5, gm.code
 print("ok")

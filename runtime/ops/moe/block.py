@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from ..library import op_name, use_triton
-from . import kernels
+from . import experts
 
 
 @triton_op(op_name("moe_block"), mutates_args={})
@@ -27,7 +27,7 @@ def _moe_block(x: Tensor, router_w: Tensor, router_bias: Optional[Tensor], w13: 
     if use_triton(x) and (shared is None or shared.dtype == x.dtype):  # the shared add in the experts' combine
         sh = None if shared is None else (shared.reshape(flat.shape).contiguous(),
                                           None if shared_gate is None else shared_gate.reshape(-1, 1))
-        return kernels.moe_triton(flat, router_w, router_bias, w13, w2, method=method, top_k=top_k,
+        return experts.moe_triton(flat, router_w, router_bias, w13, w2, method=method, top_k=top_k,
                                   renormalize=renormalize, scale=scale, n_group=n_group, topk_group=topk_group,
                                   gated=gated, interleaved=interleaved, activation=activation,
                                   router_fp32=router_fp32, shared=sh).view(x.shape)

@@ -12,14 +12,14 @@ from torch import Tensor
 from torch.library import triton_op
 
 from ..library import op_name, use_triton
-from . import kernels, reference
+from . import experts, reference, routing
 
 
 @triton_op(op_name("moe_route"), mutates_args={})
 def _moe_route(logits: Tensor, bias: Optional[Tensor], method: str, top_k: int, renormalize: bool, scale: float,
                n_group: int, topk_group: int) -> tuple[Tensor, Tensor]:
     """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k])."""
-    fn = kernels.route_triton if use_triton(logits) else reference.route
+    fn = routing.route_triton if use_triton(logits) else reference.route
     return fn(logits, bias, method=method, top_k=top_k, renormalize=renormalize, scale=scale, n_group=n_group,
               topk_group=topk_group)
 
@@ -28,7 +28,7 @@ def _moe_route(logits: Tensor, bias: Optional[Tensor], method: str, top_k: int, 
 def _moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, gated: bool, interleaved: bool,
                  activation: str) -> Tensor:
     """x [T, H], w13 [E, 2I|I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] x.dtype."""
-    fn = kernels.experts_triton if use_triton(x) else reference.experts
+    fn = experts.experts_triton if use_triton(x) else reference.experts
     return fn(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation)
 
 
@@ -37,7 +37,7 @@ def _moe(x: Tensor, router_w: Tensor, router_bias: Optional[Tensor], w13: Tensor
          top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int, gated: bool, interleaved: bool,
          activation: str, router_fp32: bool) -> Tensor:
     """Routed experts of one MoE block: x [T, H] -> [T, H] x.dtype (shared experts excluded)."""
-    fn = kernels.moe_triton if use_triton(x) else reference.moe
+    fn = experts.moe_triton if use_triton(x) else reference.moe
     return fn(x, router_w, router_bias, w13, w2, method=method, top_k=top_k, renormalize=renormalize, scale=scale,
               n_group=n_group, topk_group=topk_group, gated=gated, interleaved=interleaved, activation=activation,
               router_fp32=router_fp32)
