@@ -49,8 +49,8 @@ def _output_of(n: fx.Node) -> tuple[fx.Node, int] | None:
 
 
 def _match(mul: fx.Node) -> str | tuple | None:
-    """(call, silu, gate, up, gate's output index) when ``mul`` is a fusable silu-gated product, a reason when it is one that is not,
-    None when it is no silu-gated product of a hybrid linear's outputs."""
+    """(call, silu, gate, up, gate's output index) when ``mul`` is a fusable silu-gated product, a reason when it is
+    one that is not, None when it is no silu-gated product of a hybrid linear's outputs."""
     if mul.op != "call_function" or mul.target not in _MUL or len(mul.args) != 2 or mul.kwargs:
         return None
     a, b = mul.args

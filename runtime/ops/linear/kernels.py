@@ -260,10 +260,11 @@ def pick_config(M: int, Ns: list[int], K: int, gated: bool = False, norm: bool =
     one row, weights below 40 MB (the measured shape); None means the norm kernel, then ``hybrid::linear``."""
     if K > MAX_K or not 1 <= len(Ns) <= MAX_GROUP or (gated and len(Ns) != 1):
         return None
-    if glu:  # the gemv's epilogue: one row, with or without the norm prologue (4 warps beat 8 either way)
-        if M != 1 or (norm and sum(Ns) * K * 2 >= 128 << 20):
+    if glu:  # the gemv's epilogue, one row (swept with the norm prologue, the only way passes/glu.py emits it)
+        total = sum(Ns) * K * 2
+        if M != 1 or (norm and total >= 128 << 20):
             return None
-        return GEMV_GLU_BIG if sum(Ns) * K * 2 >= 40 << 20 else GEMV_NORM
+        return GEMV_GLU_BIG if total >= 40 << 20 else GEMV_NORM
     if norm:  # one row, weights below 128 MB: the gemv kernel (the dot kernel's prologue ran 1.7-3.5x slower). In
         # the engine the lm_heads ran 9-16 us slower as this gemv than on the dot kernel (DeepSeek 400 MB, Mixtral
         # 250 MB, Mamba2 257 MB with its fp32 input: every program rereads the input row), more than the norm
