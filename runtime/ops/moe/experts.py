@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..library import pdl_opts, pdl_start
 from . import common
-from .common import bucket_for, config_for, split_k_heuristic
+from .common import bucket_for, config_for, mma, split_k_heuristic
 from .reference import ACTIVATIONS
 from .routing import (ROUTE_ALIGN_MAX_T, align_sizes, align_triton, route_align_triton, route_triton,
                       router_logits_triton, use_router_gemm)
@@ -106,7 +106,7 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
         if CAST_F32:
             a = a.to(tl.float32)
             u = u.to(tl.float32)
-        acc_u = common.mma(a, u, acc_u, IEEE)
+        acc_u = mma(a, u, acc_u, IEEE)
         if GATED:
             if EVEN_K:
                 g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
@@ -114,7 +114,7 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
                 g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if CAST_F32:
                 g = g.to(tl.float32)
-            acc_g = common.mma(a, g, acc_g, IEEE)
+            acc_g = mma(a, g, acc_g, IEEE)
             g_ptrs += BK * stride_wk
         a_ptrs += BK * stride_xk
         u_ptrs += BK * stride_wk
@@ -161,7 +161,7 @@ def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_po
         if CAST_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = common.mma(a, b, acc, IEEE)
+        acc = mma(a, b, acc, IEEE)
         a_ptrs += BK * stride_ik
         b_ptrs += BK * stride_wk
     rw = tl.load(rw_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)

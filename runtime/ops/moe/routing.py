@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..library import pdl_opts, pdl_start, size_hint
 from . import common
-from .common import bucket_for
+from .common import bucket_for, mma
 from .reference import METHODS, check_route_args
 
 # Up to this many tokens the router logits are matrix-vector products on the CUDA cores (_router_gemv_kernel).
@@ -68,7 +68,7 @@ def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, s
                      other=0.0).to(DOT_DTYPE)
         wt = tl.load(rw_ptr + cols[:, None] * stride_re + kk[None, :] * stride_rh, mask=cmask[:, None] & km[None, :],
                      other=0.0).to(DOT_DTYPE)
-        acc = common.mma(xt, tl.trans(wt), acc, IEEE)
+        acc = mma(xt, tl.trans(wt), acc, IEEE)
     if ROUND:
         acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * E + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
