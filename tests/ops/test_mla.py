@@ -511,3 +511,60 @@ def test_bf16_decode_step_prep_deepseek_widths(B):
     got = step.mla_step_prep_triton(q_nope, w_uk, kv, norm_w, 1e-6, k_rope, buf, slots)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(buf.float(), want_buf.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_warpgroup_kernel_only_where_it_applies():
+    """hopper.supported: the Gluon kernel takes a decode only on a Hopper GPU, at 64k heads, L 512 / R 64, 16-bit."""
+    from runtime.ops.mla import hopper
+    q_lat, q_rope = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert not hopper.supported(q_lat, q_rope, cache)                     # CPU tensors
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper.HAVE_GLUON):
+        return
+    q_lat, q_rope, cache = q_lat.cuda(), q_rope.cuda(), cache.cuda()
+    assert hopper.supported(q_lat, q_rope, cache)
+    assert not hopper.supported(q_lat[:, :16], q_rope[:, :16], cache)      # 16 heads: the Triton kernel
+    assert not hopper.supported(q_lat[:, :96], q_rope[:, :96], cache)      # not a multiple of 64
+    assert not hopper.supported(q_lat.float(), q_rope.float(), cache.float())
+    assert not hopper.supported(q_lat[..., :256], q_rope, cache[..., :320])  # another latent width
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon warpgroup kernel is for sm_90")
+@pytest.mark.parametrize("H,block_size", [(64, 16), (128, 64), (128, 32)])
+def test_warpgroup_decode_matches_reference(H, block_size, monkeypatch):
+    """The Gluon kernel (hopper.py) on ragged lengths across page and tile boundaries (empty, 1, 17, 63, 65, 300,
+    1000 keys), one split (direct output), automatic and 5 splits, with W_UV in the merge, and inside a compiled
+    graph; against the fp32 reference and against the Triton kernel on the same inputs."""
+    from runtime.ops.mla import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    L, R, V, bf16, scale = 512, 64, 128, torch.bfloat16, 192 ** -0.5
+    tol = dict(rtol=2e-2, atol=3e-2)
+    seq_lens = [1, 17, 300, 0, 63, 65, 1000]
+    cache, bt, sl = _paged(seq_lens, L, R, block_size, seed=11)
+    cache = cache.to(bf16)
+    B = len(seq_lens)
+    q_lat, q_rope = randn(B, H, L, dtype=bf16), randn(B, H, R, dtype=bf16)
+    w_uv = (randn(H, V, L) * L ** -0.5).to(bf16)
+    launches = []
+    real = hopper._launch
+    monkeypatch.setattr(hopper, "_launch", lambda *a: launches.append(a[6]) or real(*a))
+    want = ref.mla_decode_ref(q_lat.float(), q_rope.float(), cache, bt, sl, scale)
+    want_uv = ref.unabsorb_out(want.to(bf16), w_uv)
+    for ns in (1, 0, 5):
+        got = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, sl, scale, num_splits=ns)
+        assert got.dtype == bf16 and got.shape == (B, H, L)
+        torch.testing.assert_close(got.float(), want, **tol)
+        got_uv = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, sl, scale, num_splits=ns, w_uv=w_uv)
+        torch.testing.assert_close(got_uv.float(), want_uv.float(), **tol)
+    assert len(launches) == 6 and launches[0] == 1 and launches[4] == 5
+    monkeypatch.setattr(hopper, "ENABLED", False)                       # the Triton kernel, same inputs
+    tri = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, sl, scale)
+    assert len(launches) == 6
+    torch.testing.assert_close(got.float(), tri.float(), **tol)
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: mla_decode(*a, scale=scale), fullgraph=True)
+    torch.testing.assert_close(compiled(q_lat, q_rope, cache, bt, sl).float(), want, **tol)
+    assert len(launches) == 7

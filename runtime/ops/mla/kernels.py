@@ -27,6 +27,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ..library import pdl_opts, pdl_start, size_hint
+from . import hopper
 from .cache import mla_cache_write_triton  # noqa: F401  (re-exported launcher)
 
 MODE_DECODE, MODE_PREFILL, MODE_DENSE = 0, 1, 2
@@ -380,18 +381,26 @@ def _launch(q_lat, q_rope, kl, kr, kl_strides, kr_strides, out, *, mode, page, b
         BLOCK_L=_pow2(L), BLOCK_R=_pow2(R), WIN=_window_pages(page, cfg["block_n"]), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_opts(q_lat),
     )
+    if split:
+        merge(po, plse, out, H=H, L=L, num_splits=num_splits, n_scr_tokens=n_scr_tokens, t_out=t_out, mode=mode,
+              w_uv=w_uv)
+    return out
+
+
+def merge(po, plse, out, *, H, L, num_splits, n_scr_tokens, t_out, mode=MODE_DECODE, w_uv=None):
+    """The split-KV partials (po [rows * L], plse [rows] fp32; rows = (token * H + head) * num_splits + split)
+    -> out: o_lat, or with w_uv [H, V, L] the absorbed output o_lat @ W_UV^T (one launch either way)."""
     block_s = min(triton.next_power_of_2(num_splits), CONFIGS["merge"]["block_s"])
     if w_uv is not None:
         V, bv = w_uv.shape[1], CONFIGS["merge_uv"]["block_v"]
         wrap_triton(_mla_merge_uv_kernel)[(n_scr_tokens * H, triton.cdiv(V, bv))](
             po, plse, w_uv, out, H, L, V, num_splits, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-            BLOCK_L=_pow2(L), BLOCK_S=block_s, BV=bv, num_warps=CONFIGS["merge_uv"]["num_warps"], **pdl_opts(q_lat))
-    elif split:
+            BLOCK_L=_pow2(L), BLOCK_S=block_s, BV=bv, num_warps=CONFIGS["merge_uv"]["num_warps"], **pdl_opts(out))
+    else:
         wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
             po, plse, out, H, L, num_splits, t_out, *_out_strides(out, mode),
-            BLOCK_L=_pow2(L), BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"], **pdl_opts(q_lat),
+            BLOCK_L=_pow2(L), BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"], **pdl_opts(out),
         )
-    return out
 
 
 def _window_pages(page: int, block_n: int) -> int:
@@ -434,6 +443,9 @@ def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float,
                                        cfg.get("per_sm", 1))
     assert w_uv is None or (w_uv.shape[0] == H and w_uv.shape[2] == L and w_uv.stride(2) == 1
                             and w_uv.dtype == q_lat.dtype), "w_uv must be [H, V, L] in q's dtype, rows contiguous"
+    if config is None and hopper.supported(q_lat, q_rope, cache):  # 64+ heads on Hopper: the warpgroup kernel
+        return torch.ops.hybrid.mla_decode_wg(q_lat, q_rope, cache, block_table, seq_lens, float(scale), num_splits,
+                                              w_uv)
     out = torch.empty((B, H, L if w_uv is None else w_uv.shape[1]), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0:
         return out
