@@ -8,14 +8,16 @@ warpgroups; per 64-key tile:
 
   scores   S [64 heads, 64 keys] = q_lat . latent^T + q_rope . rope^T: warps [4, 2], each warpgroup computes the
            scores of 32 keys (wgmma, operands in shared memory);
-  softmax  online in the log2 domain; the row max and sum cross the two warpgroups (a shared-memory reduction);
+  softmax  online in the log2 domain; the row max crosses the two warpgroups (a shared-memory reduction), the row
+           sums are kept per key column and reduced once after the last tile;
   output   P goes to shared memory as bf16; O [64, 512] += P . latent with warps [4, 2]: each warpgroup owns 256
            value columns (a 64 x 256 fp32 accumulator, 128 registers per thread).
 
 Key tiles are gathered from the paged cache with cp.async (any page size; rows past the split are zero-filled
 and masked), two stages: tile i + 1 loads while tile i computes; block ids are read one tile further ahead.
-Shared memory: q 72 KB + 2 x 72 KB of keys + 8 KB of P = 224 KB. The output is the split-KV partials (o, lse)
-that kernels.py's merge kernels read, in the layout of ``_mla_attn_kernel``'s decode mode.
+Shared memory: q 72 KB + 2 x 72 KB of keys + 8 KB of P = 224 KB. One split writes o_lat; several write the
+split-KV partials (o, lse) that kernels.py's merge kernels read, in the layout of ``_mla_attn_kernel``'s decode
+mode. Measured: bench/results/2026-11-30_mla_decode_warpgroup_h200.md.
 """
 from __future__ import annotations
 
@@ -66,15 +68,13 @@ if HAVE_GLUON:
         row = b_l * s_cb + (n_l % PAGE).to(gl.int64) * s_cs
         cols = gl.arange(0, LAT, layout=gl.SliceLayout(0, lat_rows))
         ok = gl.expand_dims(n_l < k_hi, 1)
-        _cp_async(lat_dst, CACHE + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0),
-                                               mask=ok)
+        _cp_async(lat_dst, CACHE + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0), mask=ok)
         n_r = gl.convert_layout(offs_n, gl.SliceLayout(1, rope_rows))
         b_r = gl.convert_layout(blk, gl.SliceLayout(1, rope_rows))
         row_r = b_r * s_cb + (n_r % PAGE).to(gl.int64) * s_cs + LAT
         cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_rows))
         ok_r = gl.expand_dims(n_r < k_hi, 1)
-        _cp_async(rope_dst,
-                                               CACHE + gl.expand_dims(row_r, 1) + gl.expand_dims(cols_r, 0), mask=ok_r)
+        _cp_async(rope_dst, CACHE + gl.expand_dims(row_r, 1) + gl.expand_dims(cols_r, 0), mask=ok_r)
 
     @gluon.jit
     def _block_ids(BT, bt_row, offs_n, k_hi, PAGE: gl.constexpr):
