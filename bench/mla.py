@@ -387,8 +387,7 @@ def compile_check() -> None:
     """Compile the attention kernel for sm_90 without a GPU and print ptxas registers / spills / smem."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin"
-    ptxas = next((p for p in (ptxas / "ptxas-blackwell", ptxas / "ptxas") if p.exists()), None)
+    ptxas = bundled_ptxas()
     L, R, page = 512, 64, 64
 
     def one(H, mode, bq, bh, bn, w, st, causal, split):
@@ -415,6 +414,9 @@ def compile_check() -> None:
                 log(f"{regime} H={H} bh={bh} bn={bn} warps={w} stages={st}: {one(H, 0, 1, bh, bn, w, st, False, True)}")
             except Exception as exc:  # noqa: BLE001
                 log(f"{regime} bh={bh} bn={bn} warps={w} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+    if hopper.HAVE_GLUON:
+        for page, direct in ((64, False), (64, True), (16, False)):
+            log(f"gluon warpgroup decode page={page} direct={direct}: {ptxas_info(ptxas, compile_wg(page, direct))}")
     c = kernels.CONFIGS["prefill"]
     log(f"prefill {c}: {one(16, 1, c['block_m'] // c['block_h'], c['block_h'], c['block_n'], c['num_warps'], c['num_stages'], True, False)}")
     for kern, cfg in ((kernels._mla_merge_kernel, kernels.CONFIGS["merge"]),
@@ -435,6 +437,28 @@ def compile_check() -> None:
         k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=step.CONFIG["num_warps"]))
         log(f"_mla_step_prep_kernel BLOCK_B={block_b} {step.CONFIG}: {ptxas_info(ptxas, k)}")
+
+
+def bundled_ptxas():
+    """The ptxas that ships with Triton (None where it does not)."""
+    d = Path(triton.__file__).parent / "backends/nvidia/bin"
+    return next((p for p in (d / "ptxas-blackwell", d / "ptxas") if p.exists()), None)
+
+
+def compile_wg(page: int, direct: bool):
+    """hopper.py's Gluon decode kernel compiled for sm_90 on any machine (no GPU): the interpreter cannot run Gluon,
+    so this is what CPU CI can check of it. Strides are taken as multiples of 16, as at DeepSeek widths."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    k = hopper._mla_decode_wg_kernel
+    ptrs = dict(QL="*bf16", QR="*bf16", CACHE="*bf16", BT="*i32", SEQ="*i32", PO="*fp32", PLSE="*fp32", O="*bf16")
+    cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BH=hopper.BH, BN=hopper.BN,
+              num_warps=hopper.NUM_WARPS)
+    sig = {n: "constexpr" if n in cx else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in k.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
+             if n not in cx and n not in ("H", "NUM_SPLITS", "sm_scale_log2")}
+    return triton.compile(GluonASTSource(k, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=hopper.NUM_WARPS))
 
 
 def ptxas_info(ptxas, k) -> str:

@@ -1,6 +1,11 @@
 """MLA ops: paged cache write, split-KV decode, ragged prefill and the dense drop-in, each against the plain
 torch reference (Triton through the interpreter on CPU, fp32), the reference against HF's expanded math,
 and the absorbed drop-in against tiny HF DeepseekV2/V3 models (prefill + decode with a DynamicCache)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -9,6 +14,7 @@ from runtime.ops.mla import kernels, reference as ref
 from runtime.ops.mla import mla_attention_dense, mla_cache_write, mla_decode, mla_prefill
 
 SCALE = 0.37
+REPO = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: Triton through the interpreter (fp32)
 
 
@@ -527,6 +533,26 @@ def test_warpgroup_kernel_only_where_it_applies():
     assert not hopper.supported(q_lat[:, :96], q_rope[:, :96], cache)      # not a multiple of 64
     assert not hopper.supported(q_lat.float(), q_rope.float(), cache.float())
     assert not hopper.supported(q_lat[..., :256], q_rope, cache[..., :320])  # another latent width
+
+
+def test_warpgroup_kernel_compiles_for_sm90_offline():
+    """The Gluon kernel cannot run in the interpreter: compile it for sm_90 here (Triton's bundled ptxas, no GPU),
+    paged and direct-output forms, and check it fits: wgmma, no spills, under the 227 KB of shared memory."""
+    from runtime.ops.mla import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    code = ("import sys; sys.path.insert(0, '.'); import bench.mla as m\n"
+            "for page, direct in ((16, False), (64, True)):\n"
+            "    k = m.compile_wg(page, direct)\n"
+            "    info = m.ptxas_info(m.bundled_ptxas(), k).split()\n"
+            "    print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'], info[info.index('spills') + 1])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for line in res.stdout.strip().splitlines()[-2:]:
+        shared, wgmma, spills = line.split()
+        assert int(shared) <= 232448 and wgmma == "True" and spills == "0", line
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
