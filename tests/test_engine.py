@@ -455,6 +455,32 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
     assert [o.token_ids for o in outs] == ref
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon MLA decode kernel is for sm_90")
+def test_compiled_engine_mla_at_128_heads_runs_the_warpgroup_kernel(monkeypatch):
+    """A bf16 DeepSeek-V3 layout at 128 heads with V3's latent widths (L 512, R 64): the engine's recorded decode
+    steps take hybrid::mla_decode_wg (runtime/ops/mla/hopper.py) through hybrid::mla_decode_step; greedy tokens are
+    HF generate's."""
+    from runtime.ops.mla import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    real = hopper._launch
+    monkeypatch.setattr(hopper, "_launch", lambda *a: launches.append(a[6]) or real(*a))
+    model = zoo.build("deepseek_v3", dtype=torch.bfloat16, device="cuda", hidden_size=256, num_attention_heads=128,
+                      num_key_value_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                      v_head_dim=32, q_lora_rank=64)
+    prompts = [list(range(10, 17)), list(range(30, 70))]
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
+    engine = Engine(model, compile="hybrid-cudagraphs", max_num_seqs=2)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    torch._dynamo.reset()
+    assert launches, "the decode steps did not reach the warpgroup kernel"
+    assert [o.token_ids for o in outs] == ref
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton SSM kernels need a GPU")
 def test_compiled_ssm_prefill_chunks_on_the_gpu():
     """Mamba2 on the GPU default (passes + Inductor + recorded decode steps), a 31-token prompt in 8-token chunks:
