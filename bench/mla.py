@@ -194,6 +194,10 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
     # the Triton kernel with the regime's config is then timed too, as the baseline of the same run
     wg = hopper.supported(q_lat, q_rope, cache)
     row["kernel"] = "gluon-wg" if wg else "triton"
+    if wg:  # its split count comes from the shipped config, whatever the tune picked for the Triton kernel
+        ship = kernels.decode_config(H)
+        row["num_splits"] = kernels.choose_num_splits(B * triton.cdiv(H, hopper.BH), bt.shape[1] * sh["block"],
+                                                      ship["block_n"], ship.get("per_sm", 1))
 
     def ours():
         return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0, config=None if wg else config)
