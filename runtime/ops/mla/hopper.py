@@ -1,23 +1,29 @@
-"""MLA decode at many heads on Hopper: a Gluon kernel with explicit warpgroup roles (sm_90, bf16 / fp16).
+"""MLA decode at many heads on Hopper: a Gluon kernel with two warp-specialised warpgroups (sm_90, bf16 / fp16).
 
 At 64+ heads decode is tensor-core-bound (each latent byte feeds 2 x 1088 flops per head). The Triton kernel
-(kernels.py) cannot place its two chained dots well there: Triton gives a dot whose result feeds another dot
-warps [num_warps, 1], so with 64 heads per tile and 8 warps both warpgroups compute the same 64 x 64 scores
-(docs/limitations.md). Here the layouts are ours. One program = (sequence, 64 heads, split); 8 warps, two
-warpgroups; per 64-key tile:
+(kernels.py) cannot give its two warpgroups different work: Triton lays out a dot whose result feeds another dot with
+warps [num_warps, 1], so both warpgroups compute the same 64 x 64 scores (docs/limitations.md). Here the layouts and
+the schedule are ours. One program = (64 heads, sequence, split); the two head groups of a sequence are neighbours in
+the grid, so its keys come from HBM once and from L2 the second time.
 
-  scores   S [64 heads, 64 keys] = q_lat . latent^T + q_rope . rope^T: warps [4, 2], each warpgroup computes the
-           scores of 32 keys (wgmma, operands in shared memory);
-  softmax  online in the log2 domain; the row max crosses the two warpgroups (a shared-memory reduction), the row
-           sums are kept per key column and reduced once after the last tile;
-  output   P goes to shared memory as bf16; O [64, 512] += P . latent with warps [4, 2]: each warpgroup owns 256
-           value columns (a 64 x 256 fp32 accumulator, 128 registers per thread).
+Schedule ("seesaw", after FlashMLA's write-up of its Hopper kernel): the output O [64, 512] is split by columns,
+warpgroup 0 owns O_L (columns 0..255), warpgroup 1 owns O_R (256..511), each a 64 x 256 fp32 accumulator. Key tiles
+of 64 come in pairs: warpgroup 0 scores the even tile K0, warpgroup 1 the odd tile K1, so each score dot is a full
+64 x 64 x 576 wgmma and one warpgroup's softmax runs while the other's dots do. Per pair:
 
-Key tiles are gathered from the paged cache with cp.async (any page size; rows past the split are zero-filled
-and masked), two stages: tile i + 1 loads while tile i computes; block ids are read one tile further ahead.
-Shared memory: q 72 KB + 2 x 72 KB of keys + 8 KB of P = 224 KB. One split writes o_lat; several write the
+  wg0: S0 = q K0^T; m0 = max(m, rowmax S0) -> wg1; P0 = exp2(S0 - m0); O_L = O_L exp2(m - m0) + P0 V0_L (P0 from registers)
+  wg1: S1 = q K1^T; m1 = max(m0, rowmax S1) -> wg0; P1 = exp2(S1 - m1) -> shared memory -> wg0
+  wg0: P0 *= exp2(m0 - m1) -> shared memory -> wg1; O_L *= exp2(m0 - m1); O_L += P1 V1_L
+  wg1: O_R = O_R exp2(m - m1) + P0 V0_R + P1 V1_R
+
+Row sums are kept per warpgroup (of its own P) and added once at the end. The max, P and "buffer free" hand-offs
+are mbarriers. Shared memory: q 72 KB + two key tiles of 72 KB (rows [latent | rope]) = 216 KB; a tile's rope
+columns are dead once its scores are in, so its P goes there. Keys come from the paged cache by cp.async, issued by
+the warpgroup that scores the tile, in two commit groups, and the next pair's loads start as soon as the columns
+they overwrite are free (columns 0..255 of K0 after PV0_L, 256..511 of K1 after PV1_R, the rest after the other
+warpgroup's P . V); the score dots wait for each group separately. One split writes o_lat; several write the
 split-KV partials (o, lse) that kernels.py's merge kernels read, in the layout of ``_mla_attn_kernel``'s decode
-mode. Measured: bench/results/2026-11-30_mla_decode_warpgroup_h200.md.
+mode. Measured: bench/results/2026-11-30_mla_decode_seesaw_h200.md.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ try:  # Gluon (Triton >= 3.5); the module stays importable where it is missing (
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     # cp.async of a pointer tensor into shared memory: ``async_load`` from Triton 3.7 on (the old name raises there)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed barrier() in Triton 3.7
@@ -41,7 +48,7 @@ try:  # Gluon (Triton >= 3.5); the module stays importable where it is missing (
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-BH, BN, NUM_WARPS = 64, 64, 8  # heads per program, keys per tile, warps (two warpgroups)
+BH, BN = 64, 64                # heads per program, keys per tile
 LAT, ROPE = 512, 64            # the only latent / rope widths the kernel is built for (DeepSeek V2 / V3)
 ENABLED = os.environ.get("HYBRID_MLA_WG", "1") != "0"  # 0: 64+ heads take the Triton kernel (A/B in bench/mla.py)
 
@@ -59,26 +66,193 @@ def supported(q_lat: Tensor, q_rope: Tensor, cache: Tensor) -> bool:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _load_tile(CACHE, blk, offs_n, k_hi, s_cb, s_cs, lat_dst, rope_dst, PAGE: gl.constexpr,
-                   LAT: gl.constexpr, ROPE: gl.constexpr, lat_rows: gl.constexpr, rope_rows: gl.constexpr):
-        """cp.async one key tile (rows offs_n, their pages' block ids blk) into shared memory; keys >= k_hi
-        read as zeros."""
-        n_l = gl.convert_layout(offs_n, gl.SliceLayout(1, lat_rows))
-        b_l = gl.convert_layout(blk, gl.SliceLayout(1, lat_rows))
-        row = b_l * s_cb + (n_l % PAGE).to(gl.int64) * s_cs
-        cols = gl.arange(0, LAT, layout=gl.SliceLayout(0, lat_rows))
-        ok = gl.expand_dims(n_l < k_hi, 1)
-        _cp_async(lat_dst, CACHE + gl.expand_dims(row, 1) + gl.expand_dims(cols, 0), mask=ok)
-        n_r = gl.convert_layout(offs_n, gl.SliceLayout(1, rope_rows))
-        b_r = gl.convert_layout(blk, gl.SliceLayout(1, rope_rows))
-        row_r = b_r * s_cb + (n_r % PAGE).to(gl.int64) * s_cs + LAT
-        cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_rows))
-        ok_r = gl.expand_dims(n_r < k_hi, 1)
-        _cp_async(rope_dst, CACHE + gl.expand_dims(row_r, 1) + gl.expand_dims(cols_r, 0), mask=ok_r)
+    def _load_keys(CACHE, BT, bt_row, start, k_hi, s_cb, s_cs, lat_dst, rope_dst, C0: gl.constexpr, NC: gl.constexpr,
+                   WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr, BN: gl.constexpr):
+        """cp.async (one commit group) of latent columns [64 C0, 64 (C0 + NC)) of the key tile start .. start + BN,
+        and its rope columns if WITH_ROPE, issued by one warpgroup; keys >= k_hi read as zeros. 64-column copies
+        keep few pointers live."""
+        chunk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, chunk))
+        blk = gl.load(BT + bt_row + keys // PAGE, mask=keys < k_hi, other=0).to(gl.int64)
+        row = gl.expand_dims(blk * s_cb + (keys % PAGE).to(gl.int64) * s_cs, 1)
+        ok = gl.expand_dims(keys < k_hi, 1)
+        cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, chunk)), 0)
+        for c in gl.static_range(C0, C0 + NC):
+            _cp_async(lat_dst.slice(c * 64, 64, dim=1), CACHE + row + (cols + c * 64), mask=ok)
+        if WITH_ROPE:
+            _cp_async(rope_dst, CACHE + row + (cols + LAT), mask=ok)
+        async_copy.commit_group()
 
     @gluon.jit
-    def _block_ids(BT, bt_row, offs_n, k_hi, PAGE: gl.constexpr):
-        return gl.load(BT + bt_row + offs_n // PAGE, mask=offs_n < k_hi, other=0).to(gl.int64)
+    def _scores(q_lat_s, q_rope_s, lat, rope, s, C0: gl.constexpr, NC: gl.constexpr, WITH_ROPE: gl.constexpr,
+                PENDING: gl.constexpr, FIRST: gl.constexpr):
+        """Once this warpgroup's copies but the last PENDING groups landed: s += q . keys over latent columns
+        [64 C0, 64 (C0 + NC)) (+ the rope columns), issued asynchronously."""
+        async_copy.wait_group(PENDING)
+        fence_async_shared()
+        _cta_barrier()
+        for c in gl.static_range(C0, C0 + NC):
+            s = warpgroup_mma(q_lat_s.slice(c * 64, 64, dim=1), lat.slice(c * 64, 64, dim=1).permute((1, 0)), s,
+                              use_acc=not (FIRST and c == C0), is_async=True)
+        if WITH_ROPE:
+            s = warpgroup_mma(q_rope_s, rope.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _masked(s, start, k_hi, sm_scale_log2, s_layout: gl.constexpr, BN: gl.constexpr):
+        """Scores in the log2 domain; keys >= k_hi (past the split or the sequence) -inf."""
+        keys = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        return gl.where(gl.expand_dims(keys < k_hi, 0), s * sm_scale_log2, float("-inf"))
+
+    @gluon.jit
+    def _signal(bar):
+        """Every thread of this warpgroup is past its shared-memory writes / reads -> one arrival."""
+        _cta_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _finish(acc, m_i, l_own, l_s, bars, me: gl.constexpr, col0: gl.constexpr, PO, PLSE, O, b64, h0, pid_split,
+                s_ob, s_oh, H, NUM_SPLITS, o_layout: gl.constexpr, row_layout: gl.constexpr, LAT: gl.constexpr,
+                BH: gl.constexpr, DIRECT: gl.constexpr):
+        """Row sums summed across the two warpgroups, then this warpgroup's 256 output columns (and, for warpgroup
+        0, the lse of the partials)."""
+        l_s.slice(me * BH, BH).store(l_own)
+        _signal(bars.index(6 + me))
+        mbarrier.wait(bars.index(7 - me), 0)
+        l_i = l_own + l_s.slice((1 - me) * BH, BH).load(row_layout)
+        l_use = gl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / gl.expand_dims(gl.convert_layout(l_use, gl.SliceLayout(1, o_layout)), 1)
+        heads_o = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
+        cols_o = col0 + gl.arange(0, LAT // 2, layout=gl.SliceLayout(0, o_layout))
+        if DIRECT:
+            gl.store(O + b64 * s_ob + gl.expand_dims(heads_o.to(gl.int64) * s_oh, 1) + gl.expand_dims(cols_o, 0),
+                     out.to(O.dtype.element_ty))
+        else:
+            if me == 0:
+                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_use))
+                rows_s = (b64 * H + h0 + gl.arange(0, BH, layout=row_layout)) * NUM_SPLITS + pid_split
+                gl.store(PLSE + rows_s, lse)
+            rows_o = (b64 * H + heads_o) * NUM_SPLITS + pid_split
+            live = gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)) > 0.0, 1)
+            gl.store(PO + gl.expand_dims(rows_o * LAT, 1) + gl.expand_dims(cols_o, 0), out,
+                     mask=live & gl.expand_dims(cols_o < LAT, 0))
+
+    @gluon.jit
+    def _even_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split, k_lo,
+                    k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2, PAGE: gl.constexpr,
+                    LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
+        """Warpgroup 0: scores of the even tiles (K0), output columns 0..255."""
+        dtype: gl.constexpr = CACHE.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, LAT // 2, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        k0 = lat_s.index(0)
+        p0_s = rope_s.index(0)   # K0's rope columns are dead once its scores are in: P0 goes there
+        k1 = lat_s.index(1)
+        p1_s = rope_s.index(1)
+        # tile 0: latent columns 0..255 (PV0L frees them first) then the rest
+        _load_keys(CACHE, BT, bt_row, k_lo, k_hi, s_cb, s_cs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
+        _load_keys(CACHE, BT, bt_row, k_lo, k_hi, s_cb, s_cs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
+        m_i = gl.full([BH], -1.0e30, gl.float32, layout=row_layout)
+        l_i = gl.zeros([BH], gl.float32, layout=row_layout)
+        acc = gl.zeros([BH, LAT // 2], gl.float32, layout=o_layout)
+        for j in range(n_pairs):
+            ph = j & 1
+            start = k_lo + 2 * j * BN
+            s = gl.zeros([BH, BN], gl.float32, layout=s_layout)
+            s = _scores(q_lat_s, q_rope_s, k0, p0_s, s, 0, 4, False, 1, True)
+            s = _scores(q_lat_s, q_rope_s, k0, p0_s, s, 4, 4, True, 0, False)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = _masked(s, start, k_hi, sm_scale_log2, s_layout, BN)
+            m0 = gl.maximum(m_i, gl.max(s, 1))
+            m_s.slice(0, BH).store(m0)
+            _signal(bars.index(0))                           # m0 -> warpgroup 1
+            alpha = gl.exp2(m_i - m0)
+            p = gl.exp2(s - gl.expand_dims(m0, 1)).to(dtype)
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            acc = warpgroup_mma(gl.convert_layout(p, p_op), k0.slice(0, LAT // 2, dim=1), acc, is_async=True)
+            mbarrier.wait(bars.index(1), ph)                 # m1 (the pair's max) from warpgroup 1
+            m1 = m_s.slice(BH, BH).load(row_layout)
+            scale1 = gl.exp2(m0 - m1)
+            p0_s.store((p.to(gl.float32) * gl.expand_dims(scale1, 1)).to(dtype))
+            fence_async_shared()
+            _signal(bars.index(2))                           # P0 (at m1) -> warpgroup 1
+            l_i = l_i * scale1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = acc * gl.expand_dims(gl.convert_layout(scale1, gl.SliceLayout(1, o_layout)), 1)
+            more = j + 1 < n_pairs
+            if more:                                         # K0's columns 0..255 are free: the next even tile's
+                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
+            mbarrier.wait(bars.index(3), ph)                 # P1 from warpgroup 1
+            acc = warpgroup_mma(p1_s, k1.slice(0, LAT // 2, dim=1), acc, is_async=True)
+            if more:                                         # warpgroup 1 is done with K0 and P0: the rest
+                mbarrier.wait(bars.index(4), ph)
+                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _signal(bars.index(5))                           # K1's columns 0..255 and P1 are free
+            m_i = m1
+        _finish(acc, m_i, l_i, l_s, bars, 0, 0, PO, PLSE, O, b64, h0, pid_split, s_ob, s_oh, H, NUM_SPLITS,
+                   o_layout, row_layout, LAT, BH, DIRECT)
+
+    @gluon.jit
+    def _odd_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split, k_lo,
+                   k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2, PAGE: gl.constexpr,
+                   LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
+        """Warpgroup 1: scores of the odd tiles (K1), output columns 256..511."""
+        dtype: gl.constexpr = CACHE.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, LAT // 2, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        k0 = lat_s.index(0)
+        p0_s = rope_s.index(0)
+        k1 = lat_s.index(1)
+        p1_s = rope_s.index(1)
+        # tile 1: latent columns 256..511 (PV1R frees them first) then the rest
+        _load_keys(CACHE, BT, bt_row, k_lo + BN, k_hi, s_cb, s_cs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
+        _load_keys(CACHE, BT, bt_row, k_lo + BN, k_hi, s_cb, s_cs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
+        m_i = gl.full([BH], -1.0e30, gl.float32, layout=row_layout)
+        l_i = gl.zeros([BH], gl.float32, layout=row_layout)
+        acc = gl.zeros([BH, LAT // 2], gl.float32, layout=o_layout)
+        for j in range(n_pairs):
+            ph = j & 1
+            start = k_lo + (2 * j + 1) * BN
+            s = gl.zeros([BH, BN], gl.float32, layout=s_layout)
+            s = _scores(q_lat_s, q_rope_s, k1, p1_s, s, 4, 4, False, 1, True)
+            s = _scores(q_lat_s, q_rope_s, k1, p1_s, s, 0, 4, True, 0, False)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = _masked(s, start, k_hi, sm_scale_log2, s_layout, BN)
+            mbarrier.wait(bars.index(0), ph)                 # m0 from warpgroup 0
+            m1 = gl.maximum(m_s.slice(0, BH).load(row_layout), gl.max(s, 1))
+            m_s.slice(BH, BH).store(m1)
+            _signal(bars.index(1))                           # m1 -> warpgroup 0
+            alpha = gl.exp2(m_i - m1)
+            p = gl.exp2(s - gl.expand_dims(m1, 1)).to(dtype)
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+            p1_s.store(p)
+            fence_async_shared()
+            _signal(bars.index(3))                           # P1 -> warpgroup 0
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            mbarrier.wait(bars.index(2), ph)                 # P0 from warpgroup 0
+            acc = warpgroup_mma(p0_s, k0.slice(LAT // 2, LAT // 2, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p, p_op), k1.slice(LAT // 2, LAT // 2, dim=1), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _signal(bars.index(4))                           # K0's columns 256..511 and P0 are free
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if j + 1 < n_pairs:                              # K1's columns 256..511 are free: the next odd tile's
+                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
+                mbarrier.wait(bars.index(5), ph)             # warpgroup 0 is done with K1 and P1: the rest
+                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
+            m_i = m1
+        _finish(acc, m_i, l_i, l_s, bars, 1, LAT // 2, PO, PLSE, O, b64, h0, pid_split, s_ob, s_oh, H,
+                   NUM_SPLITS, o_layout, row_layout, LAT, BH, DIRECT)
 
     @gluon.jit
     def _mla_decode_wg_kernel(QL, QR, CACHE, BT, SEQ, PO, PLSE, O,
@@ -86,109 +260,55 @@ if HAVE_GLUON:
                               H, NUM_SPLITS, sm_scale_log2,
                               PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
                               BH: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
-        b = gl.program_id(0)
-        h0 = gl.program_id(1) * BH
+        b = gl.program_id(1)            # the head groups of one sequence run side by side: its keys are read from
+        h0 = gl.program_id(0) * BH      # HBM once, then from L2
         pid_split = gl.program_id(2)
         b64 = b.to(gl.int64)
         dtype: gl.constexpr = CACHE.dtype.element_ty
-
-        # ---- layouts ----
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, BN // 2, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, LAT // 2, 16])
-        lat_rows: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        rope_rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        key_ids: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         smem_lat: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, LAT], dtype)
         smem_rope: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
-        smem_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], dtype)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-        # ---- this split's keys ----
         seq_len = gl.load(SEQ + b)
-        n_tiles_all = gl.cdiv(seq_len, BN)
-        per_split = gl.cdiv(n_tiles_all, NUM_SPLITS)
+        per_split = gl.cdiv(gl.cdiv(seq_len, BN), NUM_SPLITS)
         k_lo = pid_split * per_split * BN
         k_hi = gl.minimum((pid_split + 1) * per_split * BN, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN)
+        n_pairs = gl.cdiv(gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN), 2)
 
-        # ---- queries into shared memory ----
-        heads = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, lat_rows))
-        cols = gl.arange(0, LAT, layout=gl.SliceLayout(0, lat_rows))
-        q_lat = gl.load(QL + b64 * s_qlb + gl.expand_dims(heads.to(gl.int64) * s_qlh, 1) + gl.expand_dims(cols, 0))
-        q_lat_s = gl.allocate_shared_memory(dtype, [BH, LAT], smem_lat, q_lat.to(dtype))
-        heads_r = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, rope_rows))
-        cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_rows))
-        q_rope = gl.load(QR + b64 * s_qrb + gl.expand_dims(heads_r.to(gl.int64) * s_qrh, 1)
-                         + gl.expand_dims(cols_r, 0))
-        q_rope_s = gl.allocate_shared_memory(dtype, [BH, ROPE], smem_rope, q_rope.to(dtype))
+        q_lat_s = gl.allocate_shared_memory(dtype, [BH, LAT], smem_lat)
+        q_rope_s = gl.allocate_shared_memory(dtype, [BH, ROPE], smem_rope)
         lat_s = gl.allocate_shared_memory(dtype, [2, BN, LAT], smem_lat)
         rope_s = gl.allocate_shared_memory(dtype, [2, BN, ROPE], smem_rope)
-        p_s = gl.allocate_shared_memory(dtype, [BH, BN], smem_p)
+        m_s = gl.allocate_shared_memory(gl.float32, [2 * BH], flat)  # the two warpgroups' row maxima
+        l_s = gl.allocate_shared_memory(gl.float32, [2 * BH], flat)  # and row sums
+        bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(8):
+            mbarrier.init(bars.index(k), count=1)
 
-        bt_row = b64 * s_bt
-        keys = gl.arange(0, BN, layout=key_ids)
-        blk = _block_ids(BT, bt_row, k_lo + keys, k_hi, PAGE)
-        _load_tile(CACHE, blk, k_lo + keys, k_hi, s_cb, s_cs, lat_s.index(0), rope_s.index(0), PAGE, LAT, ROPE,
-                   lat_rows, rope_rows)
+        # queries straight into shared memory (cp.async, 64-column chunks)
+        chunk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+        heads = gl.expand_dims((h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, chunk))).to(gl.int64), 1)
+        cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, chunk)), 0)
+        for c in gl.static_range(LAT // 64):
+            _cp_async(q_lat_s.slice(c * 64, 64, dim=1), QL + b64 * s_qlb + heads * s_qlh + (cols + c * 64))
+        _cp_async(q_rope_s, QR + b64 * s_qrb + heads * s_qrh + cols)
         async_copy.commit_group()
-        blk = _block_ids(BT, bt_row, k_lo + BN + keys, k_hi, PAGE)
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
 
-        m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        # row sums kept per key column and summed once at the end: a sum per tile would cross the warpgroups
-        # again (measured 2-5% slower)
-        l_2d = gl.zeros([BH, BN], gl.float32, layout=s_layout)
-        acc = gl.zeros([BH, LAT], gl.float32, layout=o_layout)
-        s_keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        for i in range(n_tiles):
-            stage = i % 2
-            lat = lat_s.index(stage)
-            async_copy.wait_group(0)
-            _cta_barrier()      # every thread's copies of tile i landed; tile i - 1's dots are done
-            fence_async_shared()
-            if i + 1 < n_tiles:      # tile i + 1 loads while tile i computes
-                start = k_lo + (i + 1) * BN
-                _load_tile(CACHE, blk, start + keys, k_hi, s_cb, s_cs, lat_s.index(1 - stage),
-                           rope_s.index(1 - stage), PAGE, LAT, ROPE, lat_rows, rope_rows)
-                async_copy.commit_group()
-                blk = _block_ids(BT, bt_row, start + BN + keys, k_hi, PAGE)
-            s = gl.zeros([BH, BN], gl.float32, layout=s_layout)
-            s = warpgroup_mma(q_lat_s, lat.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_rope_s, rope_s.index(stage).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            ok = (k_lo + i * BN + s_keys) < k_hi
-            s = gl.where(gl.expand_dims(ok, 0), s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))   # the one reduction across the two warpgroups
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            l_2d = l_2d * gl.expand_dims(alpha, 1) + p
-            m_i = m_new
-            p_s.store(p.to(dtype))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            _cta_barrier()      # both halves of P are in shared memory
-            fence_async_shared()
-            acc = warpgroup_mma(p_s, lat, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        l_i = gl.sum(l_2d, 1)
-
-        # ---- output: one split writes o = acc / l in the query dtype; several write the partials (o, lse), with
-        # lse = m + log2(l) (rows with no key write lse = -inf only) ----
-        l_use = gl.where(l_i == 0.0, 1.0, l_i)
-        l_o = gl.convert_layout(l_use, gl.SliceLayout(1, o_layout))
-        out = acc / gl.expand_dims(l_o, 1)
-        heads_o = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, LAT, layout=gl.SliceLayout(0, o_layout))
-        if DIRECT:
-            gl.store(O + b64 * s_ob + gl.expand_dims(heads_o.to(gl.int64) * s_oh, 1) + gl.expand_dims(cols_o, 0),
-                     out.to(O.dtype.element_ty))
-        else:
-            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_use))
-            rows_s = (b64 * H + h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_layout))) * NUM_SPLITS + pid_split
-            gl.store(PLSE + rows_s, lse)
-            rows_o = (b64 * H + heads_o) * NUM_SPLITS + pid_split
-            live = gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)) > 0.0, 1)
-            gl.store(PO + gl.expand_dims(rows_o * LAT, 1) + gl.expand_dims(cols_o, 0), out,
-                     mask=live & gl.expand_dims(cols_o < LAT, 0))
+        # warpgroup 1's code is the default partition (it also ran the prologue above); warpgroup 0's, which keeps P0
+        # in registers across the max exchange, is the worker with all 256 registers (no spills on Triton 3.9, 84 B
+        # of hoisted addresses on 3.6; the other way round spills more). The argument tuples are written out in the
+        # call: a tuple bound to a name first turns its constexprs into tensors (Triton 3.9).
+        bt_row = b64 * s_bt
+        gl.warp_specialize([
+            (_odd_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split,
+                       k_lo, k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+                       PAGE, LAT, ROPE, DIRECT, BH, BN)),
+            (_even_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split,
+                       k_lo, k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+                       PAGE, LAT, ROPE, DIRECT, BH, BN))], [4], [256])
 
 
 def _launch(q_lat, q_rope, cache, block_table, seq_lens, scale: float, num_splits: int, out):
@@ -200,11 +320,11 @@ def _launch(q_lat, q_rope, cache, block_table, seq_lens, scale: float, num_split
     else:
         po = torch.empty((B * H * num_splits * L,), device=q_lat.device, dtype=torch.float32)
         plse = torch.empty((B * H * num_splits,), device=q_lat.device, dtype=torch.float32)
-    _mla_decode_wg_kernel[(B, H // BH, num_splits)](
+    _mla_decode_wg_kernel[(H // BH, B, num_splits)](
         q_lat, q_rope, cache, block_table, seq_lens, po, plse, out,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), H, num_splits, scale * 1.4426950408889634,
-        PAGE=cache.shape[1], LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH, BN=BN, num_warps=NUM_WARPS)
+        PAGE=cache.shape[1], LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH, BN=BN, num_warps=4)
     return None if direct else (po, plse)
 
 
@@ -217,17 +337,14 @@ def mla_decode_wg(q_lat: Tensor, q_rope: Tensor, cache: Tensor, block_table: Ten
     re-emits traced kernels as Triton source), so a compiled graph calls this as it stands."""
     from . import kernels
     B, H, L = q_lat.shape
-    out = torch.empty((B, H, L), device=q_lat.device, dtype=q_lat.dtype)
+    out = q_lat.new_empty((B, H, L if w_uv is None else w_uv.shape[1]))
     if B == 0:
-        return out if w_uv is None else q_lat.new_empty((B, H, w_uv.shape[1]))
+        return out
     if w_uv is not None:
         num_splits = max(num_splits, 2)  # W_UV is applied by the merge kernel
     parts = _launch(q_lat, q_rope, cache, block_table, seq_lens, scale, num_splits, out)
-    if parts is None:
-        return out
-    if w_uv is not None:
-        out = q_lat.new_empty((B, H, w_uv.shape[1]))
-    kernels.merge(*parts, out, H=H, L=L, num_splits=num_splits, n_scr_tokens=B, t_out=1, w_uv=w_uv)
+    if parts is not None:
+        kernels.merge(*parts, out, H=H, L=L, num_splits=num_splits, n_scr_tokens=B, t_out=1, w_uv=w_uv)
     return out
 
 
