@@ -537,7 +537,8 @@ def test_warpgroup_kernel_only_where_it_applies():
 
 def test_warpgroup_kernel_compiles_for_sm90_offline():
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90 here (Triton's bundled ptxas, no GPU),
-    paged and direct-output forms, and check it fits: wgmma, no spills, under the 227 KB of shared memory."""
+    paged and direct-output forms, and check it fits: wgmma, under the 227 KB of shared memory, and at most 128 B of
+    spills (Triton 3.9: none; 3.6: 80-88 B of hoisted addresses; a spilled accumulator would be kilobytes)."""
     from runtime.ops.mla import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -552,7 +553,7 @@ def test_warpgroup_kernel_compiles_for_sm90_offline():
     assert res.returncode == 0, res.stderr[-3000:]
     for line in res.stdout.strip().splitlines()[-2:]:
         shared, wgmma, spills = line.split()
-        assert int(shared) <= 232448 and wgmma == "True" and spills == "0", line
+        assert int(shared) <= 232448 and wgmma == "True" and int(spills) <= 128, line
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
