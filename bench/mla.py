@@ -228,6 +228,20 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
         row["triton_ms"], _ = time_ms(lambda: kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0,
                                                                         config=config), graph=not args.no_graph)
         row["x_triton"] = row["triton_ms"] / row["ours_ms"]
+        # the drop-in decode over HF's dense cache (the same tokens as [B, S, L] + [B, S, R]), which also takes the
+        # Gluon kernel at these widths
+        d_lat, d_rope = (latent, k_rope) if latent is not None else dense_from_paged(cache, bt, S, sh)
+
+        def dense():
+            return kernels.mla_attention_dense_triton(q_lat[:, :, None], q_rope[:, :, None], d_lat, d_rope, None,
+                                                      False, scale)[:, :, 0]
+
+        row["err_dense_vs_paged"] = err(dense(), o_lat)
+        if row["err_dense_vs_paged"] > args.tol:
+            row["mismatch"] = True
+            log(f"  !! dense decode H={H} S={S} B={B}: error vs the paged decode {row['err_dense_vs_paged']:.2e}")
+        row["dense_ms"], _ = time_ms(dense, graph=not args.no_graph)
+        del d_lat, d_rope
     if latent is not None:
         with torch.no_grad():
             row["hf_ms"], row["hf_graphed"] = time_ms(
@@ -419,7 +433,7 @@ def compile_check() -> None:
             except Exception as exc:  # noqa: BLE001
                 log(f"{regime} bh={bh} bn={bn} warps={w} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
     if hopper.HAVE_GLUON:
-        for page, direct in ((64, False), (64, True), (16, False)):
+        for page, direct in ((64, False), (64, True), (16, False), (0, False)):  # page 0: HF's dense cache
             log(f"gluon warpgroup decode page={page} direct={direct}: {ptxas_info(ptxas, compile_wg(page, direct))}")
     c = kernels.CONFIGS["prefill"]
     log(f"prefill {c}: {one(16, 1, c['block_m'] // c['block_h'], c['block_h'], c['block_n'], c['num_warps'], c['num_stages'], True, False)}")
@@ -455,11 +469,12 @@ def compile_wg(page: int, direct: bool):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     k = hopper._mla_decode_wg_kernel
-    ptrs = dict(QL="*bf16", QR="*bf16", CACHE="*bf16", BT="*i32", SEQ="*i32", PO="*fp32", PLSE="*fp32", O="*bf16")
+    ptrs = dict(QL="*bf16", QR="*bf16", LATP="*bf16", ROPEP="*bf16", BT="*i32", SEQ="*i32", PO="*fp32", PLSE="*fp32",
+                O="*bf16")
     cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BH=hopper.BH, BN=hopper.BN, num_warps=4)
     sig = {n: "constexpr" if n in cx else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
-             if n not in cx and n not in ("H", "NUM_SPLITS", "sm_scale_log2")}
+             if n not in cx and n not in ("H", "NUM_SPLITS", "S_DENSE", "sm_scale_log2")}
     return triton.compile(GluonASTSource(k, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))  # the default partition's; the worker adds 4 more
 
@@ -481,21 +496,22 @@ def ptxas_info(ptxas, k) -> str:
 # ------------------------------------------------------------------------------------------------ main
 def table(rows: list, cache_info: dict, tuned: dict) -> str:
     out = ["| H | S | B | splits | kernel | ours ms | GB/s | TFLOP/s | % roofline (bound) | kernels alone ms (% roofline) "
-           "| Triton kernel ms (x) | HF ms | speedup | err ref / HF |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| Triton kernel ms (x) | dense drop-in ms | HF ms | speedup | err ref / HF |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] != "decode":
             continue
         if "skipped" in r:
-            out.append(f"| {r['H']} | {r['S']} | {r['B']} | | | skipped: {r['skipped']} | | | | | | | | |")
+            out.append(f"| {r['H']} | {r['S']} | {r['B']} | | | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         hf = f"{r['hf_ms']:.3f}" if "hf_ms" in r else f"skip ({r.get('hf_skipped', '')})"
         sp = f"{r['speedup_vs_hf']:.1f}x" if "speedup_vs_hf" in r else ""
         kern = f"{r['ours_kernel_ms']:.4f} ({r['pct_roofline_kernel']:.0f}%)" if "ours_kernel_ms" in r else ""
         tri = f"{r['triton_ms']:.4f} ({r['x_triton']:.2f}x)" if "triton_ms" in r else ""
+        dense = f"{r['dense_ms']:.4f}" if "dense_ms" in r else ""
         out.append(f"| {r['H']} | {r['S']} | {r['B']} | {r['num_splits']} | {r.get('kernel', 'triton')} | "
                    f"{r['ours_ms']:.4f} | {r['gbps']:.0f} | {r['tflops']:.1f} | {r['pct_roofline']:.0f}% ({r['bound']}) | "
-                   f"{kern} | {tri} | {hf} | {sp} | "
+                   f"{kern} | {tri} | {dense} | {hf} | {sp} | "
                    f"{r['err_vs_ref']:.1e} / {r.get('err_vs_hf', float('nan')):.1e} |")
     out += ["", "| prefill H | T | ours ms | ours TFLOP/s (absorbed flops) | HF expanded ms | HF TFLOP/s | speedup "
             "| err ref / HF |",

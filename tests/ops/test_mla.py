@@ -537,23 +537,33 @@ def test_warpgroup_kernel_only_where_it_applies():
 
 def test_warpgroup_kernel_compiles_for_sm90_offline():
     """The Gluon kernel cannot run in the interpreter: compile it for sm_90 here (Triton's bundled ptxas, no GPU),
-    paged and direct-output forms, and check it fits: wgmma, under the 227 KB of shared memory, and at most 128 B of
-    spills (Triton 3.9: none; 3.6: 80-88 B of hoisted addresses; a spilled accumulator would be kilobytes)."""
+    paged, direct-output and dense (page 0) forms, and check it fits: wgmma, under the 227 KB of shared memory, and at
+    most 128 B of spills (Triton 3.9: none; 3.6: 80-88 B of hoisted addresses; a spilled accumulator would be kilobytes)."""
     from runtime.ops.mla import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     pytest.importorskip("triton.backends.nvidia.compiler")
     code = ("import sys; sys.path.insert(0, '.'); import bench.mla as m\n"
-            "for page, direct in ((16, False), (64, True)):\n"
+            "for page, direct in ((16, False), (64, True), (0, False)):\n"
             "    k = m.compile_wg(page, direct)\n"
             "    info = m.ptxas_info(m.bundled_ptxas(), k).split()\n"
             "    print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'], info[info.index('spills') + 1])")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    for line in res.stdout.strip().splitlines()[-2:]:
+    for line in res.stdout.strip().splitlines()[-3:]:
         shared, wgmma, spills = line.split()
         assert int(shared) <= 232448 and wgmma == "True" and int(spills) <= 128, line
+
+
+def _spy_wg_launches(monkeypatch, arg: str) -> list:
+    """Records one argument (by name) of every launch of the Gluon decode kernel (hopper._launch)."""
+    import inspect
+    from runtime.ops.mla import hopper
+    launches, real = [], hopper._launch
+    names = list(inspect.signature(real).parameters)
+    monkeypatch.setattr(hopper, "_launch", lambda *a: launches.append(a[names.index(arg)]) or real(*a))
+    return launches
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -574,9 +584,7 @@ def test_warpgroup_decode_matches_reference(H, block_size, monkeypatch):
     B = len(seq_lens)
     q_lat, q_rope = randn(B, H, L, dtype=bf16), randn(B, H, R, dtype=bf16)
     w_uv = (randn(H, V, L) * L ** -0.5).to(bf16)
-    launches = []
-    real = hopper._launch
-    monkeypatch.setattr(hopper, "_launch", lambda *a: launches.append(a[6]) or real(*a))
+    launches = _spy_wg_launches(monkeypatch, "num_splits")
     want = ref.mla_decode_ref(q_lat.float(), q_rope.float(), cache, bt, sl, scale)
     want_uv = ref.unabsorb_out(want.to(bf16), w_uv)
     for ns in (1, 0, 5):
@@ -595,3 +603,39 @@ def test_warpgroup_decode_matches_reference(H, block_size, monkeypatch):
     compiled = torch.compile(lambda *a: mla_decode(*a, scale=scale), fullgraph=True)
     torch.testing.assert_close(compiled(q_lat, q_rope, cache, bt, sl).float(), want, **tol)
     assert len(launches) == 7
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon warpgroup kernel is for sm_90")
+def test_warpgroup_dense_decode_matches_reference(monkeypatch):
+    """One-token decode over HF's dense latent cache at 128 heads (the drop-in path) takes the Gluon kernel (page 0):
+    S = 1, 17, 300, 1000 keys, one and automatic splits, HF's [B, 1, S, *] cache tensors reshaped as dropin.py does,
+    and inside a compiled graph; with a mask it stays on the Triton kernel. Against the fp32 reference."""
+    from runtime.ops.mla import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    B, H, L, R, bf16, scale = 3, 128, 512, 64, torch.bfloat16, 192 ** -0.5
+    tol = dict(rtol=2e-2, atol=3e-2)
+    launches = _spy_wg_launches(monkeypatch, "page")
+    for S in (1, 17, 300, 1000):
+        lat = randn(B, 1, S, L, dtype=bf16).reshape(B, S, L)
+        rope = randn(B, 1, S, R, dtype=bf16).reshape(B, S, R)
+        q_lat, q_rope = randn(B, H, 1, L, dtype=bf16), randn(B, H, 1, R, dtype=bf16)
+        want = ref.mla_attention_dense_ref(q_lat.float(), q_rope.float(), lat.float(), rope.float(), None, False,
+                                           scale)
+        for ns in (1, 0):
+            got = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, rope, None, False, scale, num_splits=ns)
+            assert got.shape == (B, H, 1, L) and got.dtype == bf16
+            torch.testing.assert_close(got.float(), want, **tol)
+    assert launches == [0] * 8
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=DEV)
+    mask[1, ..., S // 2:] = False
+    got = kernels.mla_attention_dense_triton(q_lat, q_rope, lat, rope, mask, False, scale)
+    assert len(launches) == 8                                           # masked: the Triton kernel
+    want = ref.mla_attention_dense_ref(q_lat.float(), q_rope.float(), lat.float(), rope.float(), mask, False, scale)
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: mla_attention_dense(*a, scale=scale), fullgraph=True)
+    want = ref.mla_attention_dense_ref(q_lat.float(), q_rope.float(), lat.float(), rope.float(), None, False, scale)
+    torch.testing.assert_close(compiled(q_lat, q_rope, lat, rope).float(), want, **tol)
+    assert launches == [0] * 9

@@ -53,34 +53,56 @@ LAT, ROPE = 512, 64            # the only latent / rope widths the kernel is bui
 ENABLED = os.environ.get("HYBRID_MLA_WG", "1") != "0"  # 0: 64+ heads take the Triton kernel (A/B in bench/mla.py)
 
 
-def supported(q_lat: Tensor, q_rope: Tensor, cache: Tensor) -> bool:
-    """Whether the Gluon kernel serves this decode: a Hopper GPU, heads in multiples of 64, L = 512, R = 64,
-    bf16 / fp16 queries and cache, rows contiguous in their last dim."""
+def _rows_ok(t: Tensor, width: int) -> bool:
+    """A [.., rows, width] operand cp.async can copy 16 bytes at a time: last dim contiguous, 16-byte aligned start,
+    other strides multiples of 8 elements."""
+    return (t.shape[-1] == width and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st % 8 == 0 for st in t.stride()[:-1]))
+
+
+def _queries_ok(q_lat: Tensor, q_rope: Tensor, *keys: Tensor) -> bool:
     if not (ENABLED and HAVE_GLUON and q_lat.is_cuda and torch.cuda.get_device_capability(q_lat.device)[0] == 9):
         return False
-    H, L = q_lat.shape[1], q_lat.shape[2]
-    return (H % BH == 0 and L == LAT and cache.shape[-1] == LAT + ROPE and q_lat.dtype == cache.dtype
-            and cache.dtype in (torch.bfloat16, torch.float16) and cache.stride(-1) == 1
-            and q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.shape[-1] == ROPE)
+    return (q_lat.shape[1] % BH == 0 and q_lat.dtype in (torch.bfloat16, torch.float16)
+            and all(t.dtype == q_lat.dtype for t in (q_rope, *keys))
+            and _rows_ok(q_lat, LAT) and _rows_ok(q_rope, ROPE))
+
+
+def supported(q_lat: Tensor, q_rope: Tensor, cache: Tensor) -> bool:
+    """Whether the Gluon kernel serves this paged decode: a Hopper GPU, heads in multiples of 64, L = 512, R = 64,
+    bf16 / fp16 queries and cache, rows cp.async can copy (q_lat [B, H, 512], cache [NB, page, 576])."""
+    return _queries_ok(q_lat, q_rope, cache) and _rows_ok(cache, LAT + ROPE)
+
+
+def supported_dense(q_lat: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor) -> bool:
+    """The same for one-token decode over HF's dense cache: latent [B, S, 512] and k_rope [B, S, 64]."""
+    return _queries_ok(q_lat, q_rope, latent, k_rope) and _rows_ok(latent, LAT) and _rows_ok(k_rope, ROPE)
 
 
 if HAVE_GLUON:
     @gluon.jit
-    def _load_keys(CACHE, BT, bt_row, start, k_hi, s_cb, s_cs, lat_dst, rope_dst, C0: gl.constexpr, NC: gl.constexpr,
-                   WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr, BN: gl.constexpr):
+    def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
+                   NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
+                   BN: gl.constexpr):
         """cp.async (one commit group) of latent columns [64 C0, 64 (C0 + NC)) of the key tile start .. start + BN,
-        and its rope columns if WITH_ROPE, issued by one warpgroup; keys >= k_hi read as zeros. 64-column copies
-        keep few pointers live."""
+        and its rope columns if WITH_ROPE, issued by one warpgroup; keys >= k_hi read as zeros. Paged (PAGE > 0):
+        key k sits in block BT[kb + k // PAGE] at k % PAGE; dense (PAGE == 0): in batch row kb at k. 64-column
+        copies keep few pointers live."""
         chunk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, chunk))
-        blk = gl.load(BT + bt_row + keys // PAGE, mask=keys < k_hi, other=0).to(gl.int64)
-        row = gl.expand_dims(blk * s_cb + (keys % PAGE).to(gl.int64) * s_cs, 1)
+        if PAGE > 0:
+            blk = gl.load(BT + kb + keys // PAGE, mask=keys < k_hi, other=0).to(gl.int64)
+            pos = (keys % PAGE).to(gl.int64)
+        else:
+            blk = kb
+            pos = keys.to(gl.int64)
+        row_l = gl.expand_dims(blk * s_lb + pos * s_ls, 1)
         ok = gl.expand_dims(keys < k_hi, 1)
         cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, chunk)), 0)
         for c in gl.static_range(C0, C0 + NC):
-            _cp_async(lat_dst.slice(c * 64, 64, dim=1), CACHE + row + (cols + c * 64), mask=ok)
+            _cp_async(lat_dst.slice(c * 64, 64, dim=1), LATP + row_l + (cols + c * 64), mask=ok)
         if WITH_ROPE:
-            _cp_async(rope_dst, CACHE + row + (cols + LAT), mask=ok)
+            _cp_async(rope_dst, ROPEP + gl.expand_dims(blk * s_rb + pos * s_rs, 1) + cols, mask=ok)
         async_copy.commit_group()
 
     @gluon.jit
@@ -138,11 +160,12 @@ if HAVE_GLUON:
                      mask=live & gl.expand_dims(cols_o < LAT, 0))
 
     @gluon.jit
-    def _even_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split, k_lo,
-                    k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2, PAGE: gl.constexpr,
-                    LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
+    def _even_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0, pid_split,
+                    k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+                    PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr,
+                    BN: gl.constexpr):
         """Warpgroup 0: scores of the even tiles (K0), output columns 0..255."""
-        dtype: gl.constexpr = CACHE.dtype.element_ty
+        dtype: gl.constexpr = LATP.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -154,8 +177,8 @@ if HAVE_GLUON:
         k1 = lat_s.index(1)
         p1_s = rope_s.index(1)
         # tile 0: latent columns 0..255 (PV0L frees them first) then the rest
-        _load_keys(CACHE, BT, bt_row, k_lo, k_hi, s_cb, s_cs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
-        _load_keys(CACHE, BT, bt_row, k_lo, k_hi, s_cb, s_cs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
         m_i = gl.full([BH], -1.0e30, gl.float32, layout=row_layout)
         l_i = gl.zeros([BH], gl.float32, layout=row_layout)
         acc = gl.zeros([BH, LAT // 2], gl.float32, layout=o_layout)
@@ -186,12 +209,12 @@ if HAVE_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(scale1, gl.SliceLayout(1, o_layout)), 1)
             more = j + 1 < n_pairs
             if more:                                         # K0's columns 0..255 are free: the next even tile's
-                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
             mbarrier.wait(bars.index(3), ph)                 # P1 from warpgroup 1
             acc = warpgroup_mma(p1_s, k1.slice(0, LAT // 2, dim=1), acc, is_async=True)
             if more:                                         # warpgroup 1 is done with K0 and P0: the rest
                 mbarrier.wait(bars.index(4), ph)
-                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _signal(bars.index(5))                           # K1's columns 0..255 and P1 are free
             m_i = m1
@@ -199,11 +222,12 @@ if HAVE_GLUON:
                    o_layout, row_layout, LAT, BH, DIRECT)
 
     @gluon.jit
-    def _odd_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split, k_lo,
-                   k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2, PAGE: gl.constexpr,
-                   LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr):
+    def _odd_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0, pid_split,
+                   k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+                   PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr,
+                   BN: gl.constexpr):
         """Warpgroup 1: scores of the odd tiles (K1), output columns 256..511."""
-        dtype: gl.constexpr = CACHE.dtype.element_ty
+        dtype: gl.constexpr = LATP.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -215,8 +239,8 @@ if HAVE_GLUON:
         k1 = lat_s.index(1)
         p1_s = rope_s.index(1)
         # tile 1: latent columns 256..511 (PV1R frees them first) then the rest
-        _load_keys(CACHE, BT, bt_row, k_lo + BN, k_hi, s_cb, s_cs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
-        _load_keys(CACHE, BT, bt_row, k_lo + BN, k_hi, s_cb, s_cs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo + BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo + BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
         m_i = gl.full([BH], -1.0e30, gl.float32, layout=row_layout)
         l_i = gl.zeros([BH], gl.float32, layout=row_layout)
         acc = gl.zeros([BH, LAT // 2], gl.float32, layout=o_layout)
@@ -247,29 +271,36 @@ if HAVE_GLUON:
             _signal(bars.index(4))                           # K0's columns 256..511 and P0 are free
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if j + 1 < n_pairs:                              # K1's columns 256..511 are free: the next odd tile's
-                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
                 mbarrier.wait(bars.index(5), ph)             # warpgroup 0 is done with K1 and P1: the rest
-                _load_keys(CACHE, BT, bt_row, start + 2 * BN, k_hi, s_cb, s_cs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
             m_i = m1
         _finish(acc, m_i, l_i, l_s, bars, 1, LAT // 2, PO, PLSE, O, b64, h0, pid_split, s_ob, s_oh, H,
                    NUM_SPLITS, o_layout, row_layout, LAT, BH, DIRECT)
 
     @gluon.jit
-    def _mla_decode_wg_kernel(QL, QR, CACHE, BT, SEQ, PO, PLSE, O,
-                              s_qlb, s_qlh, s_qrb, s_qrh, s_cb, s_cs, s_bt, s_ob, s_oh,
-                              H, NUM_SPLITS, sm_scale_log2,
+    def _mla_decode_wg_kernel(QL, QR, LATP, ROPEP, BT, SEQ, PO, PLSE, O,
+                              s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, s_ob, s_oh,
+                              H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                               PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
                               BH: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+        """Keys from pages (PAGE > 0: block table BT, lengths SEQ) or from HF's dense latent / rope tensors
+        (PAGE == 0: every sequence S_DENSE keys long)."""
         b = gl.program_id(1)            # the head groups of one sequence run side by side: its keys are read from
         h0 = gl.program_id(0) * BH      # HBM once, then from L2
         pid_split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        dtype: gl.constexpr = CACHE.dtype.element_ty
+        dtype: gl.constexpr = LATP.dtype.element_ty
         smem_lat: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, LAT], dtype)
         smem_rope: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-        seq_len = gl.load(SEQ + b)
+        if PAGE > 0:
+            seq_len = gl.load(SEQ + b)
+            kb = b64 * s_bt
+        else:
+            seq_len = S_DENSE
+            kb = b64
         per_split = gl.cdiv(gl.cdiv(seq_len, BN), NUM_SPLITS)
         k_lo = pid_split * per_split * BN
         k_hi = gl.minimum((pid_split + 1) * per_split * BN, seq_len)
@@ -301,18 +332,20 @@ if HAVE_GLUON:
         # in registers across the max exchange, is the worker with all 256 registers (no spills on Triton 3.9, 84 B
         # of hoisted addresses on 3.6; the other way round spills more). The argument tuples are written out in the
         # call: a tuple bound to a name first turns its constexprs into tensors (Triton 3.9).
-        bt_row = b64 * s_bt
         gl.warp_specialize([
-            (_odd_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split,
-                       k_lo, k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+            (_odd_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0,
+                       pid_split, k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
+                       sm_scale_log2,
                        PAGE, LAT, ROPE, DIRECT, BH, BN)),
-            (_even_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, CACHE, BT, PO, PLSE, O, b64, h0, pid_split,
-                       k_lo, k_hi, n_pairs, s_cb, s_cs, bt_row, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+            (_even_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0,
+                       pid_split, k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
+                       sm_scale_log2,
                        PAGE, LAT, ROPE, DIRECT, BH, BN))], [4], [256])
 
 
-def _launch(q_lat, q_rope, cache, block_table, seq_lens, scale: float, num_splits: int, out):
-    """One split: o_lat straight into ``out`` [B, H, 512]; several: returns the partials (po, plse)."""
+def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: float, num_splits: int, out):
+    """Paged (page > 0: lat / rope are the cache and its rope columns, [NB, page, *]) or dense (page 0: [B, S, *]).
+    One split: o_lat straight into ``out`` [B, H, 512]; several: returns the partials (po, plse)."""
     B, H, L = q_lat.shape
     direct = num_splits == 1
     if direct:
@@ -320,12 +353,29 @@ def _launch(q_lat, q_rope, cache, block_table, seq_lens, scale: float, num_split
     else:
         po = torch.empty((B * H * num_splits * L,), device=q_lat.device, dtype=torch.float32)
         plse = torch.empty((B * H * num_splits,), device=q_lat.device, dtype=torch.float32)
+    if page == 0:  # the block-table and length pointers go unread
+        block_table = seq_lens = torch.empty((1,), device=q_lat.device, dtype=torch.int32)
     _mla_decode_wg_kernel[(H // BH, B, num_splits)](
-        q_lat, q_rope, cache, block_table, seq_lens, po, plse, out,
-        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
-        block_table.stride(0), out.stride(0), out.stride(1), H, num_splits, scale * 1.4426950408889634,
-        PAGE=cache.shape[1], LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH, BN=BN, num_warps=4)
+        q_lat, q_rope, lat, rope, block_table, seq_lens, po, plse, out,
+        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), lat.stride(0), lat.stride(1),
+        rope.stride(0), rope.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_splits,
+        lat.shape[1], scale * 1.4426950408889634,
+        PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH, BN=BN, num_warps=4)
     return None if direct else (po, plse)
+
+
+def _decode(q_lat, q_rope, lat, rope, page, block_table, seq_lens, scale, num_splits, w_uv):
+    from . import kernels
+    B, H, L = q_lat.shape
+    out = q_lat.new_empty((B, H, L if w_uv is None else w_uv.shape[1]))
+    if B == 0:
+        return out
+    if w_uv is not None:
+        num_splits = max(num_splits, 2)  # W_UV is applied by the merge kernel
+    parts = _launch(q_lat, q_rope, lat, rope, page, block_table, seq_lens, scale, num_splits, out)
+    if parts is not None:
+        kernels.merge(*parts, out, H=H, L=L, num_splits=num_splits, n_scr_tokens=B, t_out=1, w_uv=w_uv)
+    return out
 
 
 @torch.library.custom_op(op_name("mla_decode_wg"), mutates_args=())
@@ -335,20 +385,25 @@ def mla_decode_wg(q_lat: Tensor, q_rope: Tensor, cache: Tensor, block_table: Ten
     q_rope [B, H, 64], cache [NB, page, 576], block_table [B, MB] int32, seq_lens [B] int32 -> o_lat [B, H, 512],
     or with w_uv [H, V, 512] o_lat @ W_UV^T [B, H, V]. An opaque op: Inductor cannot inline a Gluon kernel (it
     re-emits traced kernels as Triton source), so a compiled graph calls this as it stands."""
-    from . import kernels
-    B, H, L = q_lat.shape
-    out = q_lat.new_empty((B, H, L if w_uv is None else w_uv.shape[1]))
-    if B == 0:
-        return out
-    if w_uv is not None:
-        num_splits = max(num_splits, 2)  # W_UV is applied by the merge kernel
-    parts = _launch(q_lat, q_rope, cache, block_table, seq_lens, scale, num_splits, out)
-    if parts is not None:
-        kernels.merge(*parts, out, H=H, L=L, num_splits=num_splits, n_scr_tokens=B, t_out=1, w_uv=w_uv)
-    return out
+    return _decode(q_lat, q_rope, cache, cache[..., LAT:], cache.shape[1], block_table, seq_lens, scale, num_splits,
+                   w_uv)
 
 
 @mla_decode_wg.register_fake
 def _(q_lat, q_rope, cache, block_table, seq_lens, scale, num_splits, w_uv=None):
     B, H, L = q_lat.shape
     return q_lat.new_empty((B, H, L if w_uv is None else w_uv.shape[1]))
+
+
+@torch.library.custom_op(op_name("mla_decode_wg_dense"), mutates_args=())
+def mla_decode_wg_dense(q_lat: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, scale: float,
+                        num_splits: int) -> Tensor:
+    """One-token decode over HF's dense latent cache on the Gluon kernel (``supported_dense`` must hold): q_lat
+    [B, H, 512], q_rope [B, H, 64], latent [B, S, 512], k_rope [B, S, 64] -> o_lat [B, H, 512]; every key attended
+    (kernels.mla_attention_dense_triton takes it only without a mask)."""
+    return _decode(q_lat, q_rope, latent, k_rope, 0, None, None, scale, num_splits, None)
+
+
+@mla_decode_wg_dense.register_fake
+def _(q_lat, q_rope, latent, k_rope, scale, num_splits):
+    return q_lat.new_empty(q_lat.shape)

@@ -511,6 +511,10 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
     tiles = B * triton.cdiv(T, bq)
     if num_splits <= 0:
         num_splits = choose_num_splits(tiles * triton.cdiv(H, bh), S, cfg["block_n"], cfg.get("per_sm", 1))
+    if (T == 1 and mask is None and config is None and B > 0
+            and hopper.supported_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope)):  # 64+ heads on Hopper
+        return torch.ops.hybrid.mla_decode_wg_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope, float(scale),
+                                                    num_splits).unsqueeze(2)
     out = torch.empty((B, H, T, L), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0 or T == 0:
         return out
