@@ -54,9 +54,10 @@ ENABLED = os.environ.get("HYBRID_MLA_WG", "1") != "0"  # 0: 64+ heads take the T
 
 
 def _rows_ok(t: Tensor, width: int) -> bool:
-    """A [.., rows, width] operand cp.async can copy 16 bytes at a time: last dim contiguous, 16-byte aligned start,
-    other strides multiples of 8 elements."""
-    return (t.shape[-1] == width and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    """A [.., rows, width] operand cp.async can copy 16 bytes at a time: last dim contiguous, a 16-byte aligned start
+    (the offset into its storage: no data pointer, which a compiled graph's fake tensors do not have), other strides
+    multiples of 8 elements."""
+    return (t.shape[-1] == width and t.stride(-1) == 1 and t.storage_offset() * t.element_size() % 16 == 0
             and all(st % 8 == 0 for st in t.stride()[:-1]))
 
 
