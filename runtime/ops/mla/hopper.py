@@ -81,6 +81,11 @@ def supported_dense(q_lat: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tenso
 
 
 if HAVE_GLUON:
+    # one warpgroup's layouts: scores [64 heads, 64 keys] and its half of the output [64, 256], wgmma accumulators
+    _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]))
+    _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, LAT // 2, 16]))
+
     @gluon.jit
     def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
                    NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
@@ -167,10 +172,8 @@ if HAVE_GLUON:
                     BN: gl.constexpr):
         """Warpgroup 0: scores of the even tiles (K0), output columns 0..255."""
         dtype: gl.constexpr = LATP.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, LAT // 2, 16])
+        s_layout: gl.constexpr = _S_LAYOUT
+        o_layout: gl.constexpr = _O_LAYOUT
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         k0 = lat_s.index(0)
@@ -229,10 +232,8 @@ if HAVE_GLUON:
                    BN: gl.constexpr):
         """Warpgroup 1: scores of the odd tiles (K1), output columns 256..511."""
         dtype: gl.constexpr = LATP.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, LAT // 2, 16])
+        s_layout: gl.constexpr = _S_LAYOUT
+        o_layout: gl.constexpr = _O_LAYOUT
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         k0 = lat_s.index(0)
