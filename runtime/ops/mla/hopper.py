@@ -11,19 +11,21 @@ warpgroup 0 owns O_L (columns 0..255), warpgroup 1 owns O_R (256..511), each a 6
 of 64 come in pairs: warpgroup 0 scores the even tile K0, warpgroup 1 the odd tile K1, so each score dot is a full
 64 x 64 x 576 wgmma and one warpgroup's softmax runs while the other's dots do. Per pair:
 
-  wg0: S0 = q K0^T; m0 = max(m, rowmax S0) -> wg1; P0 = exp2(S0 - m0); O_L = O_L exp2(m - m0) + P0 V0_L (P0 from registers)
+  wg0: S0 = q K0^T; m0 = max(m, rowmax S0) -> wg1; P0 = exp2(S0 - m0); O_L = O_L exp2(m - m0) + P0 V0_L
+       (P0 from registers)
   wg1: S1 = q K1^T; m1 = max(m0, rowmax S1) -> wg0; P1 = exp2(S1 - m1) -> shared memory -> wg0
   wg0: P0 *= exp2(m0 - m1) -> shared memory -> wg1; O_L *= exp2(m0 - m1); O_L += P1 V1_L
   wg1: O_R = O_R exp2(m - m1) + P0 V0_R + P1 V1_R
 
 Row sums are kept per warpgroup (of its own P) and added once at the end. The max, P and "buffer free" hand-offs
 are mbarriers. Shared memory: q 72 KB + two key tiles of 72 KB (rows [latent | rope]) = 216 KB; a tile's rope
-columns are dead once its scores are in, so its P goes there. Keys come from the paged cache by cp.async, issued by
-the warpgroup that scores the tile, in two commit groups, and the next pair's loads start as soon as the columns
-they overwrite are free (columns 0..255 of K0 after PV0_L, 256..511 of K1 after PV1_R, the rest after the other
-warpgroup's P . V); the score dots wait for each group separately. One split writes o_lat; several write the
-split-KV partials (o, lse) that kernels.py's merge kernels read, in the layout of ``_mla_attn_kernel``'s decode
-mode. Measured: bench/results/2026-11-30_mla_decode_seesaw_h200.md.
+columns are dead once its scores are in, so its P goes there. Keys come by cp.async from the paged cache or (page
+0) from HF's dense latent and rope tensors, issued by the warpgroup that scores the tile, in two commit groups; the
+next pair's loads start as soon as the columns they overwrite are free (columns 0..255 of K0 after PV0_L, 256..511
+of K1 after PV1_R, the rest after the other warpgroup's P . V), and the score dots wait for each group separately.
+One split writes o_lat; several write the split-KV partials (o, lse) that kernels.py's merge kernels read, in the
+layout of ``_mla_attn_kernel``'s decode mode. Measured: bench/results/2026-11-30_mla_decode_seesaw_h200.md (paged)
+and ..._dense_h200.md (HF's cache).
 """
 from __future__ import annotations
 
@@ -213,12 +215,14 @@ if HAVE_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(scale1, gl.SliceLayout(1, o_layout)), 1)
             more = j + 1 < n_pairs
             if more:                                         # K0's columns 0..255 are free: the next even tile's
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
+                           0, 4, False, PAGE, LAT, BN)
             mbarrier.wait(bars.index(3), ph)                 # P1 from warpgroup 1
             acc = warpgroup_mma(p1_s, k1.slice(0, LAT // 2, dim=1), acc, is_async=True)
             if more:                                         # warpgroup 1 is done with K0 and P0: the rest
                 mbarrier.wait(bars.index(4), ph)
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
+                           4, 4, True, PAGE, LAT, BN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _signal(bars.index(5))                           # K1's columns 0..255 and P1 are free
             m_i = m1
@@ -273,9 +277,11 @@ if HAVE_GLUON:
             _signal(bars.index(4))                           # K0's columns 256..511 and P0 are free
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if j + 1 < n_pairs:                              # K1's columns 256..511 are free: the next odd tile's
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
+                           4, 4, False, PAGE, LAT, BN)
                 mbarrier.wait(bars.index(5), ph)             # warpgroup 0 is done with K1 and P1: the rest
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
+                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
+                           0, 4, True, PAGE, LAT, BN)
             m_i = m1
         _finish(acc, m_i, l_i, l_s, bars, 1, LAT // 2, PO, PLSE, O, b64, h0, pid_split, s_ob, s_oh, H,
                    NUM_SPLITS, o_layout, row_layout, LAT, BH, DIRECT)

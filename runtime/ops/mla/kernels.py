@@ -499,7 +499,8 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
                                num_splits: int = 0, config: dict | None = None) -> torch.Tensor:
     """q_lat [B, H, T, L], q_rope [B, H, T, R], latent [B, S, L], k_rope [B, S, R] (any strides),
     attn_mask [B|1, 1, T, S] bool (True = attend) / float additive / None; is_causal: key j <= i + S - T.
-    -> o_lat [B, H, T, L] (q dtype)."""
+    -> o_lat [B, H, T, L] (q dtype). One unmasked query per sequence at 64+ heads on Hopper takes the Gluon kernel
+    (hopper.mla_decode_wg_dense)."""
     B, H, T, L = q_lat.shape
     S, R = latent.shape[1], k_rope.shape[-1]
     cfg = {**CONFIGS["dense"], **(config or {})}
