@@ -337,9 +337,9 @@ if HAVE_GLUON:
         _cta_barrier()
 
         # warpgroup 1's code is the default partition (it also ran the prologue above); warpgroup 0's, which keeps P0
-        # in registers across the max exchange, is the worker with all 256 registers (no spills on Triton 3.9, 84 B
-        # of hoisted addresses on 3.6; the other way round spills more). The argument tuples are written out in the
-        # call: a tuple bound to a name first turns its constexprs into tensors (Triton 3.9).
+        # in registers across the max exchange, is the worker with all 256 registers (no spills on Triton 3.9, about
+        # 100 B of hoisted addresses on 3.6; the other way round spills more). The argument tuples are written out in
+        # the call: a tuple bound to a name first turns its constexprs into tensors (Triton 3.9).
         gl.warp_specialize([
             (_odd_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0,
                        pid_split, k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
