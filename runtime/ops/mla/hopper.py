@@ -87,6 +87,10 @@ if HAVE_GLUON:
     _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]))
     _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, LAT // 2, 16]))
+    _P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT.value, k_width=2))  # P . V's A
+    _ROWS = gl.constexpr(gl.SliceLayout(1, _S_LAYOUT.value))  # per-row values (maxima, sums)
+    # the mbarriers: row maxima and P handed over, key columns freed, row sums handed over (one completion per pair)
+    _M0, _M1, _P0, _P1, _K0_FREE, _K1_FREE, _L0 = (gl.constexpr(i) for i in range(7))
 
     @gluon.jit
     def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
@@ -147,8 +151,8 @@ if HAVE_GLUON:
         """Row sums summed across the two warpgroups, then this warpgroup's 256 output columns (and, for warpgroup
         0, the lse of the partials)."""
         l_s.slice(me * BH, BH).store(l_own)
-        _signal(bars.index(6 + me))
-        mbarrier.wait(bars.index(7 - me), 0)
+        _signal(bars.index(_L0 + me))
+        mbarrier.wait(bars.index(_L0 + 1 - me), 0)
         l_i = l_own + l_s.slice((1 - me) * BH, BH).load(row_layout)
         l_use = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.expand_dims(gl.convert_layout(l_use, gl.SliceLayout(1, o_layout)), 1)
@@ -176,8 +180,8 @@ if HAVE_GLUON:
         dtype: gl.constexpr = LATP.dtype.element_ty
         s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        p_op: gl.constexpr = _P_OPERAND
+        row_layout: gl.constexpr = _ROWS
         k0 = lat_s.index(0)
         p0_s = rope_s.index(0)   # K0's rope columns are dead once its scores are in: P0 goes there
         k1 = lat_s.index(1)
@@ -198,18 +202,18 @@ if HAVE_GLUON:
             s = _masked(s, start, k_hi, sm_scale_log2, s_layout, BN)
             m0 = gl.maximum(m_i, gl.max(s, 1))
             m_s.slice(0, BH).store(m0)
-            _signal(bars.index(0))                           # m0 -> warpgroup 1
+            _signal(bars.index(_M0))                             # m0 -> warpgroup 1
             alpha = gl.exp2(m_i - m0)
             p = gl.exp2(s - gl.expand_dims(m0, 1)).to(dtype)
             l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             acc = warpgroup_mma(gl.convert_layout(p, p_op), k0.slice(0, LAT // 2, dim=1), acc, is_async=True)
-            mbarrier.wait(bars.index(1), ph)                 # m1 (the pair's max) from warpgroup 1
+            mbarrier.wait(bars.index(_M1), ph)                   # m1 (the pair's max) from warpgroup 1
             m1 = m_s.slice(BH, BH).load(row_layout)
             scale1 = gl.exp2(m0 - m1)
             p0_s.store((p.to(gl.float32) * gl.expand_dims(scale1, 1)).to(dtype))
             fence_async_shared()
-            _signal(bars.index(2))                           # P0 (at m1) -> warpgroup 1
+            _signal(bars.index(_P0))                             # P0 (at m1) -> warpgroup 1
             l_i = l_i * scale1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc = acc * gl.expand_dims(gl.convert_layout(scale1, gl.SliceLayout(1, o_layout)), 1)
@@ -217,14 +221,14 @@ if HAVE_GLUON:
             if more:                                         # K0's columns 0..255 are free: the next even tile's
                 _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
                            0, 4, False, PAGE, LAT, BN)
-            mbarrier.wait(bars.index(3), ph)                 # P1 from warpgroup 1
+            mbarrier.wait(bars.index(_P1), ph)                   # P1 from warpgroup 1
             acc = warpgroup_mma(p1_s, k1.slice(0, LAT // 2, dim=1), acc, is_async=True)
             if more:                                         # warpgroup 1 is done with K0 and P0: the rest
-                mbarrier.wait(bars.index(4), ph)
+                mbarrier.wait(bars.index(_K0_FREE), ph)
                 _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
                            4, 4, True, PAGE, LAT, BN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _signal(bars.index(5))                           # K1's columns 0..255 and P1 are free
+            _signal(bars.index(_K1_FREE))                        # K1's columns 0..255 and P1 are free
             m_i = m1
         _finish(acc, m_i, l_i, l_s, bars, 0, 0, PO, PLSE, O, b64, h0, pid_split, s_ob, s_oh, H, NUM_SPLITS,
                    o_layout, row_layout, LAT, BH, DIRECT)
@@ -238,8 +242,8 @@ if HAVE_GLUON:
         dtype: gl.constexpr = LATP.dtype.element_ty
         s_layout: gl.constexpr = _S_LAYOUT
         o_layout: gl.constexpr = _O_LAYOUT
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        p_op: gl.constexpr = _P_OPERAND
+        row_layout: gl.constexpr = _ROWS
         k0 = lat_s.index(0)
         p0_s = rope_s.index(0)
         k1 = lat_s.index(1)
@@ -258,28 +262,28 @@ if HAVE_GLUON:
             s = _scores(q_lat_s, q_rope_s, k1, p1_s, s, 0, 4, True, 0, False)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = _masked(s, start, k_hi, sm_scale_log2, s_layout, BN)
-            mbarrier.wait(bars.index(0), ph)                 # m0 from warpgroup 0
+            mbarrier.wait(bars.index(_M0), ph)                   # m0 from warpgroup 0
             m1 = gl.maximum(m_s.slice(0, BH).load(row_layout), gl.max(s, 1))
             m_s.slice(BH, BH).store(m1)
-            _signal(bars.index(1))                           # m1 -> warpgroup 0
+            _signal(bars.index(_M1))                             # m1 -> warpgroup 0
             alpha = gl.exp2(m_i - m1)
             p = gl.exp2(s - gl.expand_dims(m1, 1)).to(dtype)
             l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
             p1_s.store(p)
             fence_async_shared()
-            _signal(bars.index(3))                           # P1 -> warpgroup 0
+            _signal(bars.index(_P1))                             # P1 -> warpgroup 0
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            mbarrier.wait(bars.index(2), ph)                 # P0 from warpgroup 0
+            mbarrier.wait(bars.index(_P0), ph)                   # P0 from warpgroup 0
             acc = warpgroup_mma(p0_s, k0.slice(LAT // 2, LAT // 2, dim=1), acc, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p, p_op), k1.slice(LAT // 2, LAT // 2, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _signal(bars.index(4))                           # K0's columns 256..511 and P0 are free
+            _signal(bars.index(_K0_FREE))                        # K0's columns 256..511 and P0 are free
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if j + 1 < n_pairs:                              # K1's columns 256..511 are free: the next odd tile's
                 _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
                            4, 4, False, PAGE, LAT, BN)
-                mbarrier.wait(bars.index(5), ph)             # warpgroup 0 is done with K1 and P1: the rest
+                mbarrier.wait(bars.index(_K1_FREE), ph)          # warpgroup 0 is done with K1 and P1: the rest
                 _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
                            0, 4, True, PAGE, LAT, BN)
             m_i = m1
@@ -320,8 +324,8 @@ if HAVE_GLUON:
         rope_s = gl.allocate_shared_memory(dtype, [2, BN, ROPE], smem_rope)
         m_s = gl.allocate_shared_memory(gl.float32, [2 * BH], flat)  # the two warpgroups' row maxima
         l_s = gl.allocate_shared_memory(gl.float32, [2 * BH], flat)  # and row sums
-        bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
-        for k in gl.static_range(8):
+        bars = gl.allocate_shared_memory(gl.int64, [_L0 + 2, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(_L0 + 2):
             mbarrier.init(bars.index(k), count=1)
 
         # queries straight into shared memory (cp.async, 64-column chunks)
