@@ -207,14 +207,13 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
                                        bt.shape[1] * sh["block"], config["block_n"], config.get("per_sm", 1))
     row["num_splits"] = splits
 
-    # 64+ heads on Hopper: what ships is the Gluon warpgroup kernel (hopper.py), chosen when no config is forced;
-    # the Triton kernel with the regime's config is then timed too, as the baseline of the same run
+    # On Hopper at DeepSeek widths what ships is a Gluon kernel (hopper.py: 64+ heads, hopper_narrow.py: up to 32),
+    # chosen when no config is forced; the Triton kernel with the regime's config is then timed too, as the baseline
+    # of the same run
     wg = hopper.supported(q_lat, q_rope, cache)
-    row["kernel"] = "gluon-wg" if wg else "triton"
-    if wg:  # its split count comes from the shipped config, whatever the tune picked for the Triton kernel
-        ship = kernels.decode_config(H)
-        row["num_splits"] = kernels.choose_num_splits(B * triton.cdiv(H, hopper.BH), bt.shape[1] * sh["block"],
-                                                      ship["block_n"], ship.get("per_sm", 1))
+    row["kernel"] = ("gluon-narrow" if H <= hopper.NARROW_MAX_HEADS else "gluon-wg") if wg else "triton"
+    if wg:  # its split count is its own, whatever the tune picked for the Triton kernel
+        row["num_splits"] = hopper.num_splits(B, H, bt.shape[1] * sh["block"])
 
     def ours():
         return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0, config=None if wg else config)
@@ -274,7 +273,7 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
     row["gbps"] = nbytes / row["ours_ms"] / 1e6
     row["tflops"] = flops / row["ours_ms"] / 1e9
     row["pct_roofline"] = 100 * floor_ms / row["ours_ms"]
-    log(f"  decode H={H:3d} S={S:5d} B={B:3d} splits={splits:2d}: ours {row['ours_ms']:.4f} ms "
+    log(f"  decode H={H:3d} S={S:5d} B={B:3d} splits={row['num_splits']:2d}: ours {row['ours_ms']:.4f} ms "
         f"{row['gbps']:7.0f} GB/s {row['tflops']:6.1f} TF/s = {row['pct_roofline']:4.0f}% of roofline "
         f"({row['bound']}); HF {row.get('hf_ms', float('nan')):.3f} ms; err ref {row['err_vs_ref']:.1e} "
         f"HF {row.get('err_vs_hf', float('nan')):.1e}")
@@ -453,8 +452,10 @@ def compile_check() -> None:
             except Exception as exc:  # noqa: BLE001
                 log(f"{regime} bh={bh} bn={bn} warps={w} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
     if hopper.HAVE_GLUON:
-        for page, direct in ((64, False), (64, True), (16, False), (0, False)):  # page 0: HF's dense cache
-            log(f"gluon warpgroup decode page={page} direct={direct}: {ptxas_info(ptxas, compile_wg(page, direct))}")
+        for heads in (128, 16, 32):
+            for page, direct in ((64, False), (64, True), (16, False), (0, False)):  # page 0: HF's dense cache
+                log(f"gluon decode H={heads} page={page} direct={direct}: "
+                    f"{ptxas_info(ptxas, compile_wg(page, direct, heads))}")
     c = kernels.CONFIGS["prefill"]
     log(f"prefill {c}: {one(16, 1, c['block_m'] // c['block_h'], c['block_h'], c['block_n'], c['num_warps'], c['num_stages'], True, False)}")
     for kern, cfg in ((kernels._mla_merge_kernel, kernels.CONFIGS["merge"]),
@@ -483,20 +484,25 @@ def bundled_ptxas():
     return next((p for p in (d / "ptxas-blackwell", d / "ptxas") if p.exists()), None)
 
 
-def compile_wg(page: int, direct: bool):
-    """hopper.py's Gluon decode kernel compiled for sm_90 on any machine (no GPU): the interpreter cannot run Gluon,
-    so this is what CPU CI can check of it. Strides are taken as multiples of 16, as at DeepSeek widths."""
+def compile_wg(page: int, direct: bool, heads: int = 128):
+    """A Gluon decode kernel compiled for sm_90 on any machine (no GPU): hopper.py's at 64+ heads, hopper_narrow.py's
+    at up to 32 (heads padded to 16 or 32). The interpreter cannot run Gluon, so this is what CPU CI can check of
+    them. Strides are taken as multiples of 16, as at DeepSeek widths."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    k = hopper._mla_decode_wg_kernel
+    from runtime.ops.mla import hopper_narrow
     ptrs = dict(QL="*bf16", QR="*bf16", LATP="*bf16", ROPEP="*bf16", BT="*i32", SEQ="*i32", PO="*fp32", PLSE="*fp32",
                 O="*bf16")
-    cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BH=hopper.BH, BN=hopper.BN, num_warps=4)
+    cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BN=hopper.BN, num_warps=4)
+    if heads <= hopper.NARROW_MAX_HEADS:
+        k, cx = hopper_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32}
+    else:
+        k, cx = hopper._mla_decode_wg_kernel, {**cx, "BH": hopper.BH}
     sig = {n: "constexpr" if n in cx else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
              if n not in cx and n not in ("H", "NUM_SPLITS", "S_DENSE", "sm_scale_log2")}
     return triton.compile(GluonASTSource(k, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))  # the default partition's; the worker adds 4 more
+                          options=dict(num_warps=4))  # hopper.py's: the default partition's; the worker adds 4 more
 
 
 def ptxas_info(ptxas, k) -> str:

@@ -520,7 +520,8 @@ def test_bf16_decode_step_prep_deepseek_widths(B):
 
 
 def test_warpgroup_kernel_only_where_it_applies():
-    """hopper.supported: the Gluon kernel takes a decode only on a Hopper GPU, at 64k heads, L 512 / R 64, 16-bit."""
+    """hopper.supported: the Gluon kernels take a decode only on a Hopper GPU, at up to 32 or 64k heads, L 512 / R 64,
+    16-bit."""
     from runtime.ops.mla import hopper
     q_lat, q_rope = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
@@ -529,24 +530,27 @@ def test_warpgroup_kernel_only_where_it_applies():
         return
     q_lat, q_rope, cache = q_lat.cuda(), q_rope.cuda(), cache.cuda()
     assert hopper.supported(q_lat, q_rope, cache)
-    assert not hopper.supported(q_lat[:, :16], q_rope[:, :16], cache)      # 16 heads: the Triton kernel
+    assert hopper.supported(q_lat[:, :16], q_rope[:, :16], cache)          # 16 heads: hopper_narrow.py
+    assert hopper.supported(q_lat[:, :3], q_rope[:, :3], cache)
+    assert not hopper.supported(q_lat[:, :48], q_rope[:, :48], cache)      # 33..63 heads: the Triton kernel
     assert not hopper.supported(q_lat[:, :96], q_rope[:, :96], cache)      # not a multiple of 64
     assert not hopper.supported(q_lat.float(), q_rope.float(), cache.float())
     assert not hopper.supported(q_lat[..., :256], q_rope, cache[..., :320])  # another latent width
 
 
 def test_warpgroup_kernel_compiles_for_sm90_offline():
-    """The Gluon kernel cannot run in the interpreter: compile it for sm_90 here (Triton's bundled ptxas, no GPU),
-    paged, direct-output and dense (page 0) forms, and check it fits: wgmma, under the 227 KB of shared memory, and at
-    most 128 B of spills (Triton 3.9: none; 3.6: 88-104 B of hoisted addresses; a spilled accumulator would be
-    kilobytes)."""
+    """The Gluon kernels cannot run in the interpreter: compile them for sm_90 here (Triton's bundled ptxas, no GPU),
+    paged, direct-output and dense (page 0) forms at 128, 16 and 32 heads, and check they fit: wgmma, under the 227 KB
+    of shared memory, and at most 128 B of spills (Triton 3.9: none; 3.6: 88-104 B of hoisted addresses at 128 heads;
+    a spilled accumulator would be kilobytes)."""
     from runtime.ops.mla import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     pytest.importorskip("triton.backends.nvidia.compiler")
     code = ("import sys; sys.path.insert(0, '.'); import bench.mla as m\n"
-            "for page, direct in ((16, False), (64, True), (0, False)):\n"
-            "    k = m.compile_wg(page, direct)\n"
+            "for heads, page, direct in ((128, 16, False), (128, 64, True), (128, 0, False), (16, 64, False),\n"
+            "                            (16, 0, True), (32, 16, False)):\n"
+            "    k = m.compile_wg(page, direct, heads)\n"
             "    info = m.ptxas_info(m.bundled_ptxas(), k).split()\n"
             "    print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'], info[info.index('spills') + 1])")
     # "0", not unset: bench/mla.py turns the interpreter on where there is no GPU, and Triton's own jit helpers (the
@@ -554,7 +558,9 @@ def test_warpgroup_kernel_compiles_for_sm90_offline():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    for line in res.stdout.strip().splitlines()[-3:]:
+    lines = res.stdout.strip().splitlines()[-6:]
+    assert len(lines) == 6, res.stdout
+    for line in lines:
         shared, wgmma, spills = line.split()
         assert int(shared) <= 232448 and wgmma == "True" and int(spills) <= 128, line
 
@@ -571,9 +577,9 @@ def _spy_wg_launches(monkeypatch, arg: str) -> list:
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon warpgroup kernel is for sm_90")
-@pytest.mark.parametrize("H,block_size", [(64, 16), (128, 64), (128, 32)])
+@pytest.mark.parametrize("H,block_size", [(64, 16), (128, 64), (128, 32), (16, 64), (3, 16), (32, 32)])
 def test_warpgroup_decode_matches_reference(H, block_size, monkeypatch):
-    """The Gluon kernel (hopper.py) on ragged lengths across page and tile boundaries (empty, 1, 17, 63, 65, 300,
+    """The Gluon kernels (hopper.py at 64+ heads, hopper_narrow.py at up to 32) on ragged lengths across page and tile boundaries (empty, 1, 17, 63, 65, 300,
     1000 keys), one split (direct output), automatic and 5 splits, with W_UV in the merge, and inside a compiled
     graph; against the fp32 reference and against the Triton kernel on the same inputs."""
     from runtime.ops.mla import hopper
@@ -610,14 +616,15 @@ def test_warpgroup_decode_matches_reference(H, block_size, monkeypatch):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon warpgroup kernel is for sm_90")
-def test_warpgroup_dense_decode_matches_reference(monkeypatch):
-    """One-token decode over HF's dense latent cache at 128 heads (the drop-in path) takes the Gluon kernel (page 0):
+@pytest.mark.parametrize("H", [128, 16])
+def test_warpgroup_dense_decode_matches_reference(H, monkeypatch):
+    """One-token decode over HF's dense latent cache at 128 and 16 heads (the drop-in path) takes a Gluon kernel (page 0):
     S = 1, 17, 300, 1000 keys, one and automatic splits, HF's [B, 1, S, *] cache tensors reshaped as dropin.py does,
     and inside a compiled graph; with a mask it stays on the Triton kernel. Against the fp32 reference."""
     from runtime.ops.mla import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    B, H, L, R, bf16, scale = 3, 128, 512, 64, torch.bfloat16, 192 ** -0.5
+    B, L, R, bf16, scale = 3, 512, 64, torch.bfloat16, 192 ** -0.5
     tol = dict(rtol=2e-2, atol=3e-2)
     launches = _spy_wg_launches(monkeypatch, "page")
     for S in (1, 17, 300, 1000):

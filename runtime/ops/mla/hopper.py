@@ -1,4 +1,5 @@
-"""MLA decode at many heads on Hopper: a Gluon kernel with two warp-specialised warpgroups (sm_90, bf16 / fp16).
+"""MLA decode on Hopper in Gluon (sm_90, bf16 / fp16): the ops, and the kernel for 64+ heads (two warp-specialised
+warpgroups). Up to 32 heads take hopper_narrow.py's kernel; the ops below pick by head count.
 
 At 64+ heads decode is tensor-core-bound (each latent byte feeds 2 x 1088 flops per head). The Triton kernel
 (kernels.py) cannot give its two warpgroups different work: Triton lays out a dot whose result feeds another dot with
@@ -51,8 +52,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 BH, BN = 64, 64                # heads per program, keys per tile
+NARROW_MAX_HEADS = 32          # up to this many heads: hopper_narrow.py (all heads of a sequence in one program)
 LAT, ROPE = 512, 64            # the only latent / rope widths the kernel is built for (DeepSeek V2 / V3)
-ENABLED = os.environ.get("HYBRID_MLA_WG", "1") != "0"  # 0: 64+ heads take the Triton kernel (A/B in bench/mla.py)
+ENABLED = os.environ.get("HYBRID_MLA_WG", "1") != "0"  # 0: decode takes the Triton kernel (A/B in bench/mla.py)
 
 
 def _rows_ok(t: Tensor, width: int) -> bool:
@@ -66,13 +68,14 @@ def _rows_ok(t: Tensor, width: int) -> bool:
 def _queries_ok(q_lat: Tensor, q_rope: Tensor, *keys: Tensor) -> bool:
     if not (ENABLED and HAVE_GLUON and q_lat.is_cuda and torch.cuda.get_device_capability(q_lat.device)[0] == 9):
         return False
-    return (q_lat.shape[1] % BH == 0 and q_lat.dtype in (torch.bfloat16, torch.float16)
+    heads = q_lat.shape[1]
+    return ((heads % BH == 0 or 0 < heads <= NARROW_MAX_HEADS) and q_lat.dtype in (torch.bfloat16, torch.float16)
             and all(t.dtype == q_lat.dtype for t in (q_rope, *keys))
             and _rows_ok(q_lat, LAT) and _rows_ok(q_rope, ROPE))
 
 
 def supported(q_lat: Tensor, q_rope: Tensor, cache: Tensor) -> bool:
-    """Whether the Gluon kernel serves this paged decode: a Hopper GPU, heads in multiples of 64, L = 512, R = 64,
+    """Whether a Gluon kernel serves this paged decode: a Hopper GPU, heads <= 32 or a multiple of 64, L = 512, R = 64,
     bf16 / fp16 queries and cache, rows cp.async can copy (q_lat [B, H, 512], cache [NB, page, 576])."""
     return _queries_ok(q_lat, q_rope, cache) and _rows_ok(cache, LAT + ROPE)
 
@@ -355,6 +358,14 @@ if HAVE_GLUON:
                        PAGE, LAT, ROPE, DIRECT, BH, BN))], [4], [256])
 
 
+def num_splits(B: int, H: int, max_len) -> int:
+    """The split-KV factor for these kernels: one program per (64 heads | every head, sequence, split), one program
+    per SM (their shared memory), tiles of BN keys."""
+    from . import kernels
+    programs = B * (1 if H <= NARROW_MAX_HEADS else H // BH)
+    return kernels.choose_num_splits(programs, max_len, BN, per_sm=1)
+
+
 def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: float, num_splits: int, out):
     """Paged (page > 0: lat / rope are the cache and its rope columns, [NB, page, *]) or dense (page 0: [B, S, *]).
     One split: o_lat straight into ``out`` [B, H, 512]; several: returns the partials (po, plse)."""
@@ -367,12 +378,17 @@ def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: f
         plse = torch.empty((B * H * num_splits,), device=q_lat.device, dtype=torch.float32)
     if page == 0:  # the block-table and length pointers go unread
         block_table = seq_lens = torch.empty((1,), device=q_lat.device, dtype=torch.int32)
-    _mla_decode_wg_kernel[(H // BH, B, num_splits)](
-        q_lat, q_rope, lat, rope, block_table, seq_lens, po, plse, out,
-        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), lat.stride(0), lat.stride(1),
-        rope.stride(0), rope.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_splits,
-        lat.shape[1], scale * 1.4426950408889634,
-        PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH, BN=BN, num_warps=4)
+    args = (q_lat, q_rope, lat, rope, block_table, seq_lens, po, plse, out,
+            q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), lat.stride(0), lat.stride(1),
+            rope.stride(0), rope.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_splits,
+            lat.shape[1], scale * 1.4426950408889634)
+    if H <= NARROW_MAX_HEADS:
+        from .hopper_narrow import _mla_decode_narrow_kernel
+        _mla_decode_narrow_kernel[(B, num_splits)](*args, PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct,
+                                                   HN=16 if H <= 16 else 32, BN=BN, num_warps=4)
+    else:
+        _mla_decode_wg_kernel[(H // BH, B, num_splits)](*args, PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH,
+                                                        BN=BN, num_warps=4)
     return None if direct else (po, plse)
 
 

@@ -438,14 +438,16 @@ def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float,
     cfg = {**decode_config(H), **(config or {})}
     bq, bh = _tile_rows(H, False, 16, cfg["block_h"])
     page = cache.shape[1]
+    assert w_uv is None or (w_uv.shape[0] == H and w_uv.shape[2] == L and w_uv.stride(2) == 1
+                            and w_uv.dtype == q_lat.dtype), "w_uv must be [H, V, L] in q's dtype, rows contiguous"
+    if config is None and hopper.supported(q_lat, q_rope, cache):  # Hopper at DeepSeek widths: the Gluon kernels
+        if num_splits <= 0:
+            num_splits = hopper.num_splits(B, H, block_table.shape[1] * page)
+        return torch.ops.hybrid.mla_decode_wg(q_lat, q_rope, cache, block_table, seq_lens, float(scale), num_splits,
+                                              w_uv)
     if num_splits <= 0:
         num_splits = choose_num_splits(B * triton.cdiv(H, bh), block_table.shape[1] * page, cfg["block_n"],
                                        cfg.get("per_sm", 1))
-    assert w_uv is None or (w_uv.shape[0] == H and w_uv.shape[2] == L and w_uv.stride(2) == 1
-                            and w_uv.dtype == q_lat.dtype), "w_uv must be [H, V, L] in q's dtype, rows contiguous"
-    if config is None and hopper.supported(q_lat, q_rope, cache):  # 64+ heads on Hopper: the warpgroup kernel
-        return torch.ops.hybrid.mla_decode_wg(q_lat, q_rope, cache, block_table, seq_lens, float(scale), num_splits,
-                                              w_uv)
     out = torch.empty((B, H, L if w_uv is None else w_uv.shape[1]), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0:
         return out
@@ -499,8 +501,8 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
                                num_splits: int = 0, config: dict | None = None) -> torch.Tensor:
     """q_lat [B, H, T, L], q_rope [B, H, T, R], latent [B, S, L], k_rope [B, S, R] (any strides),
     attn_mask [B|1, 1, T, S] bool (True = attend) / float additive / None; is_causal: key j <= i + S - T.
-    -> o_lat [B, H, T, L] (q dtype). One unmasked query per sequence at 64+ heads on Hopper takes the Gluon kernel
-    (hopper.mla_decode_wg_dense)."""
+    -> o_lat [B, H, T, L] (q dtype). One unmasked query per sequence on Hopper at DeepSeek widths takes a Gluon
+    kernel (hopper.mla_decode_wg_dense)."""
     B, H, T, L = q_lat.shape
     S, R = latent.shape[1], k_rope.shape[-1]
     cfg = {**CONFIGS["dense"], **(config or {})}
@@ -510,12 +512,13 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
     mask = dense_mask_4d(attn_mask, B, T, S)
     mask_strides = (0, 0, 0) if mask is None else (mask.stride(0), mask.stride(2), mask.stride(3))
     tiles = B * triton.cdiv(T, bq)
+    if (T == 1 and mask is None and config is None and B > 0
+            and hopper.supported_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope)):  # Hopper, DeepSeek widths
+        return torch.ops.hybrid.mla_decode_wg_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope, float(scale),
+                                                    num_splits if num_splits > 0 else hopper.num_splits(B, H, S)
+                                                    ).unsqueeze(2)
     if num_splits <= 0:
         num_splits = choose_num_splits(tiles * triton.cdiv(H, bh), S, cfg["block_n"], cfg.get("per_sm", 1))
-    if (T == 1 and mask is None and config is None and B > 0
-            and hopper.supported_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope)):  # 64+ heads on Hopper
-        return torch.ops.hybrid.mla_decode_wg_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope, float(scale),
-                                                    num_splits).unsqueeze(2)
     out = torch.empty((B, H, T, L), device=q_lat.device, dtype=q_lat.dtype)
     if B == 0 or T == 0:
         return out
