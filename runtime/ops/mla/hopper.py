@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..library import op_name
+from ..library import op_name, pdl_opts
 
 try:  # Gluon (Triton >= 3.5); the module stays importable where it is missing (CPU-only installs)
     from triton.experimental import gluon
@@ -96,29 +96,54 @@ if HAVE_GLUON:
     _M0, _M1, _P0, _P1, _K0_FREE, _K1_FREE, _L0 = (gl.constexpr(i) for i in range(7))
 
     @gluon.jit
-    def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
+    def _pdl_start(PDL: gl.constexpr):
+        """library.pdl_start in Gluon: wait for the kernel before (its writes visible), then let the next one (the
+        merge) launch, its programs waiting in their own pdl_start while this kernel runs."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    _CHUNK = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # one warpgroup's [64, 64] copies
+
+    @gluon.jit
+    def _key_blocks(BT, kb, start, k_hi, PAGE: gl.constexpr, BN: gl.constexpr):
+        """Where the keys start .. start + BN sit: paged (PAGE > 0), key k in block BT[kb + k // PAGE] ([BN] block
+        ids, a plain load: it stalls only where used); dense (PAGE == 0), all in batch row kb."""
+        if PAGE > 0:
+            keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, _CHUNK))
+            return gl.load(BT + kb + keys // PAGE, mask=keys < k_hi, other=0).to(gl.int64)
+        else:
+            return kb
+
+    @gluon.jit
+    def _copy_keys(LATP, ROPEP, blk, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
                    NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
                    BN: gl.constexpr):
-        """cp.async (one commit group) of latent columns [64 C0, 64 (C0 + NC)) of the key tile start .. start + BN,
-        and its rope columns if WITH_ROPE, issued by one warpgroup; keys >= k_hi read as zeros. Paged (PAGE > 0):
-        key k sits in block BT[kb + k // PAGE] at k % PAGE; dense (PAGE == 0): in batch row kb at k. 64-column
-        copies keep few pointers live."""
-        chunk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, chunk))
+        """cp.async (one commit group) of latent columns [64 C0, 64 (C0 + NC)) of the key tile start .. start + BN
+        (in blocks ``blk``, from _key_blocks), and its rope columns if WITH_ROPE, issued by one warpgroup; keys >=
+        k_hi read as zeros. 64-column copies keep few pointers live."""
+        keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, _CHUNK))
         if PAGE > 0:
-            blk = gl.load(BT + kb + keys // PAGE, mask=keys < k_hi, other=0).to(gl.int64)
             pos = (keys % PAGE).to(gl.int64)
         else:
-            blk = kb
             pos = keys.to(gl.int64)
         row_l = gl.expand_dims(blk * s_lb + pos * s_ls, 1)
         ok = gl.expand_dims(keys < k_hi, 1)
-        cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, chunk)), 0)
+        cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _CHUNK)), 0)
         for c in gl.static_range(C0, C0 + NC):
             _cp_async(lat_dst.slice(c * 64, 64, dim=1), LATP + row_l + (cols + c * 64), mask=ok)
         if WITH_ROPE:
             _cp_async(rope_dst, ROPEP + gl.expand_dims(blk * s_rb + pos * s_rs, 1) + cols, mask=ok)
         async_copy.commit_group()
+
+    @gluon.jit
+    def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
+                   NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
+                   BN: gl.constexpr):
+        """_copy_keys of the tile's columns, its block ids loaded here (paged: in batch-row kb of the table BT)."""
+        _copy_keys(LATP, ROPEP, _key_blocks(BT, kb, start, k_hi, PAGE, BN), start, k_hi, s_lb, s_ls, s_rb, s_rs,
+                   lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN)
 
     @gluon.jit
     def _scores(q_lat_s, q_rope_s, lat, rope, s, C0: gl.constexpr, NC: gl.constexpr, WITH_ROPE: gl.constexpr,
@@ -298,9 +323,10 @@ if HAVE_GLUON:
                               s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, s_ob, s_oh,
                               H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                               PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
-                              BH: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+                              BH: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
         """Keys from pages (PAGE > 0: block table BT, lengths SEQ) or from HF's dense latent / rope tensors
         (PAGE == 0: every sequence S_DENSE keys long)."""
+        _pdl_start(PDL)
         b = gl.program_id(1)            # the head groups of one sequence run side by side: its keys are read from
         h0 = gl.program_id(0) * BH      # HBM once, then from L2
         pid_split = gl.program_id(2)
@@ -385,10 +411,10 @@ def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: f
     if H <= NARROW_MAX_HEADS:
         from .hopper_narrow import _mla_decode_narrow_kernel
         _mla_decode_narrow_kernel[(B, num_splits)](*args, PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct,
-                                                   HN=16 if H <= 16 else 32, BN=BN, num_warps=4)
+                                                   HN=16 if H <= 16 else 32, BN=BN, num_warps=4, **pdl_opts(q_lat))
     else:
         _mla_decode_wg_kernel[(H // BH, B, num_splits)](*args, PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH,
-                                                        BN=BN, num_warps=4)
+                                                        BN=BN, num_warps=4, **pdl_opts(q_lat))
     return None if direct else (po, plse)
 
 

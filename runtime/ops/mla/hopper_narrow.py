@@ -24,16 +24,18 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .hopper import _cp_async, _cta_barrier, _load_keys
+    from .hopper import _copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start
 
     @gluon.jit
     def _mla_decode_narrow_kernel(QL, QR, LATP, ROPEP, BT, SEQ, PO, PLSE, O,
                                   s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, s_ob, s_oh,
                                   H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                                   PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
-                                  HN: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+                                  HN: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
+                                  PDL: gl.constexpr = False):
         """Program (sequence, split). Keys from pages (PAGE > 0: block table BT, lengths SEQ) or from HF's dense
         latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long)."""
+        _pdl_start(PDL)
         b = gl.program_id(0)
         pid_split = gl.program_id(1)
         b64 = b.to(gl.int64)
@@ -77,6 +79,7 @@ if HAVE_GLUON:
         _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
                    0, LAT // 64, True, PAGE, LAT, BN)
 
+        blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)   # block ids one tile ahead of their copies
         m_i = gl.full([HN], -1.0e30, gl.float32, layout=heads_l)
         l_i = gl.zeros([HN], gl.float32, layout=heads_l)
         acc = gl.zeros([LAT, HN], gl.float32, layout=t_layout)
@@ -84,9 +87,11 @@ if HAVE_GLUON:
             start = k_lo + j * BN
             lat = lat_s.index(j % 2)
             rope = rope_s.index(j % 2)
-            # the next tile into the other buffer (free: its P . V was waited for), then wait for this one
-            _load_keys(LATP, ROPEP, BT, kb, start + BN, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index((j + 1) % 2),
+            # the next tile into the other buffer (free: its P . V was waited for), the block ids of the one after
+            # (their load latency hides behind this tile's dots), then wait for this tile
+            _copy_keys(LATP, ROPEP, blk_next, start + BN, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index((j + 1) % 2),
                        rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN)
+            blk_next = _key_blocks(BT, kb, start + 2 * BN, k_hi, PAGE, BN)
             async_copy.wait_group(1)
             fence_async_shared()
             _cta_barrier()
