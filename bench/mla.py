@@ -133,12 +133,13 @@ def _flush_l2() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ inputs
-def make_paged(B: int, S: int, sh: dict, dev, dtype, seed: int = 0):
-    """Random latent cache, S tokens per sequence, blocks shuffled across sequences."""
+def make_paged(B: int, S: int, sh: dict, dev, dtype, seed: int = 0, shuffle: bool = True):
+    """Random latent cache, S tokens per sequence, blocks shuffled across sequences (as after many allocations and
+    frees) or, with shuffle=False, each sequence's blocks in order (a fresh allocator)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     nblk = B * triton.cdiv(S, sh["block"])
     cache = torch.randn(nblk + 1, sh["block"], sh["L"] + sh["R"], device=dev, dtype=dtype, generator=g)
-    perm = torch.randperm(nblk, device=dev, generator=g).int()
+    perm = (torch.randperm(nblk, device=dev, generator=g) if shuffle else torch.arange(nblk, device=dev)).int()
     bt = perm.view(B, -1).contiguous()
     seq = torch.full((B,), S, device=dev, dtype=torch.int32)
     return cache, bt, seq
@@ -196,7 +197,7 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
     if B * S * (L + R) * 2 > CACHE_MAX_BYTES:
         row["skipped"] = f"cache {B * S * (L + R) * 2 / 1e9:.0f} GB > {CACHE_MAX_BYTES / 1e9:.0f} GB"
         return row
-    cache, bt, seq = make_paged(B, S, sh, dev, dtype)
+    cache, bt, seq = make_paged(B, S, sh, dev, dtype, shuffle=not getattr(args, "sequential_pages", False))
     g = torch.Generator(device=dev).manual_seed(1)
     w_kvb = (torch.randn(H * (P + V), L, device=dev, generator=g) * L ** -0.5).to(dtype)
     w_uk, w_uv = ref.split_kv_b(w_kvb, H, P, V)
@@ -561,18 +562,23 @@ def table(rows: list, cache_info: dict, tuned: dict) -> str:
 
 def split_sweep(args) -> None:
     """Where the split-KV model (kernels.choose_num_splits) leaves time at small grids: every power-of-two
-    split count at 16 heads for the engine's small-batch decode shapes, with CUDA graphs."""
+    split count at 16 heads for small-batch decode shapes and the smallest of the 64K+ key shapes, with CUDA graphs,
+    on the kernel that ships (the Gluon one on Hopper)."""
     dev, dtype, sh, H = "cuda", torch.bfloat16, FULL, 16
     cfg = kernels.decode_config(H)
     L, R, P = sh["L"], sh["R"], sh["P"]
     rows = []
-    for B, S in ((1, 1024), (1, 4096), (8, 1024), (8, 4096), (32, 1024), (64, 1024)):
+    for B, S in ((1, 1024), (1, 4096), (8, 1024), (8, 4096), (32, 1024), (64, 1024), (128, 1024), (32, 4096),
+                 (8, 16384)):
         cache, bt, seq = make_paged(B, S, sh, dev, dtype)
         g = torch.Generator(device=dev).manual_seed(1)
         q_lat = torch.randn(B, H, L, device=dev, generator=g).to(dtype)
         q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
         scale = (P + R) ** -0.5
-        auto = kernels.choose_num_splits(B, bt.shape[1] * sh["block"], cfg["block_n"], cfg.get("per_sm", 1))
+        if hopper.supported(q_lat, q_rope, cache):
+            auto = hopper.num_splits(B, H, bt.shape[1] * sh["block"])
+        else:
+            auto = kernels.choose_num_splits(B, bt.shape[1] * sh["block"], cfg["block_n"], cfg.get("per_sm", 1))
         want = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 1)
         times = {}
         s = 1
@@ -599,6 +605,8 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true", help="time without CUDA graphs")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--heads", default=None, help="comma list, e.g. 16 or 16,128")
+    ap.add_argument("--sequential-pages", action="store_true",
+                    help="each sequence's cache blocks in order (default: shuffled across sequences)")
     ap.add_argument("--tol", type=float, default=5e-2, help="max |err| / max |ref| allowed (bf16)")
     ap.add_argument("--compile-check", action="store_true", help="compile for sm_90 on any machine, print resources")
     ap.add_argument("--split-sweep", action="store_true",
