@@ -457,18 +457,19 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon MLA decode kernel is for sm_90")
-def test_compiled_engine_mla_at_128_heads_runs_the_warpgroup_kernel(monkeypatch):
-    """A bf16 DeepSeek-V3 layout at 128 heads with V3's latent widths (L 512, R 64): the engine's recorded decode
-    steps take hybrid::mla_decode_wg (runtime/ops/mla/hopper.py) through hybrid::mla_decode_step; greedy tokens are
-    HF generate's."""
+@pytest.mark.parametrize("heads", [128, 16])
+def test_compiled_engine_mla_runs_the_gluon_kernel(heads, monkeypatch):
+    """A bf16 DeepSeek-V3 layout at 128 (V3) and 16 (V2-Lite) heads with V3's latent widths (L 512, R 64): the
+    engine's recorded decode steps take hybrid::mla_decode_wg (runtime/ops/mla/hopper.py, hopper_narrow.py) through
+    hybrid::mla_decode_step; greedy tokens are HF generate's."""
     from runtime.ops.mla import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     launches = []
     real = hopper._launch
     monkeypatch.setattr(hopper, "_launch", lambda *a: launches.append(a) or real(*a))
-    model = zoo.build("deepseek_v3", dtype=torch.bfloat16, device="cuda", hidden_size=256, num_attention_heads=128,
-                      num_key_value_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+    model = zoo.build("deepseek_v3", dtype=torch.bfloat16, device="cuda", hidden_size=256, num_attention_heads=heads,
+                      num_key_value_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
                       v_head_dim=32, q_lora_rank=64)
     prompts = [list(range(10, 17)), list(range(30, 70))]
     with torch.no_grad():
@@ -477,7 +478,7 @@ def test_compiled_engine_mla_at_128_heads_runs_the_warpgroup_kernel(monkeypatch)
     engine = Engine(model, compile="hybrid-cudagraphs", max_num_seqs=2)
     outs = engine.generate(prompts, SamplingParams(max_tokens=6))
     torch._dynamo.reset()
-    assert launches, "the decode steps did not reach the warpgroup kernel"
+    assert launches, "the decode steps did not reach the Gluon kernel"
     assert [o.token_ids for o in outs] == ref
 
 
