@@ -100,8 +100,8 @@ def run_model(name: str, variants: list[str], device: str, dtype, prefill_t: int
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| model | variant | prefill ms (B1 T2048) | x eager | decode step ms (B8, 512 cached) | x eager | "
+def table(rows: list[dict], cache_tokens: int) -> str:
+    lines = [f"| model | variant | prefill ms (B1 T2048) | x eager | decode step ms (B8, {cache_tokens} cached) | x eager | "
              "decode tok/s | rel err vs eager (prefill / decode) | note |", "|" + "---|" * 9]
     eager = {(r["model"]): r for r in rows if r["variant"] == "eager"}
     for r in rows:
@@ -133,7 +133,7 @@ def main() -> int:
     rows = []
     for name in models:
         rows += run_model(name, variants, device, dtype, *sizes, hybrid_explain=True)
-    text = table(rows)
+    text = table(rows, sizes[2])
     print(text)
     write(args.out, "models", rows, text)
     return 0
