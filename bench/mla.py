@@ -214,7 +214,7 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
     wg = hopper.supported(q_lat, q_rope, cache)
     row["kernel"] = ("gluon-narrow" if H <= hopper.NARROW_MAX_HEADS else "gluon-wg") if wg else "triton"
     if wg:  # its split count is its own, whatever the tune picked for the Triton kernel
-        row["num_splits"] = hopper.num_splits(B, H, bt.shape[1] * sh["block"])
+        row["num_splits"] = hopper.split_count(B, H, bt.shape[1] * sh["block"])
 
     def ours():
         return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0, config=None if wg else config)
@@ -576,7 +576,7 @@ def split_sweep(args) -> None:
         q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
         scale = (P + R) ** -0.5
         if hopper.supported(q_lat, q_rope, cache):
-            auto = hopper.num_splits(B, H, bt.shape[1] * sh["block"])
+            auto = hopper.split_count(B, H, bt.shape[1] * sh["block"])
         else:
             auto = kernels.choose_num_splits(B, bt.shape[1] * sh["block"], cfg["block_n"], cfg.get("per_sm", 1))
         want = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 1)

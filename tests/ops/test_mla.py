@@ -122,13 +122,13 @@ def test_choose_num_splits_is_shape_only():
 
 
 def test_gluon_split_counts_fill_the_sms_once():
-    """hopper.num_splits (the Gluon kernels, one program per SM): one program per sequence at up to 32 heads, one per
+    """hopper.split_count (the Gluon kernels, one program per SM): one program per sequence at up to 32 heads, one per
     64 heads above; the counts the 2026-12-01 sweep found best (or within 1.1 us) at 16 heads."""
     from runtime.ops.mla import hopper
-    assert [hopper.num_splits(b, 16, s) for b, s in ((128, 1024), (64, 1024), (32, 4096), (8, 16384))] == [1, 2, 4, 16]
-    assert hopper.num_splits(64, 16, 1024) == hopper.num_splits(64, 3, 1024)     # every head in one program
-    assert hopper.num_splits(64, 128, 1024) == 1                                  # 2 programs per sequence already
-    assert hopper.num_splits(8, 16, 0) == 1
+    assert [hopper.split_count(b, 16, s) for b, s in ((128, 1024), (64, 1024), (32, 4096), (8, 16384))] == [1, 2, 4, 16]
+    assert hopper.split_count(64, 16, 1024) == hopper.split_count(64, 3, 1024)     # every head in one program
+    assert hopper.split_count(64, 128, 1024) == 1                                  # 2 programs per sequence already
+    assert hopper.split_count(8, 16, 0) == 1
 
 
 # ---------------------------------------------------------------------------------------------- prefill

@@ -384,7 +384,7 @@ if HAVE_GLUON:
                        PAGE, LAT, ROPE, DIRECT, BH, BN))], [4], [256])
 
 
-def num_splits(B: int, H: int, max_len) -> int:
+def split_count(B: int, H: int, max_len) -> int:
     """The split-KV factor for these kernels: one program per (64 heads | every head, sequence, split), one program
     per SM (their shared memory), tiles of BN keys."""
     from . import kernels

@@ -442,7 +442,7 @@ def mla_decode_triton(q_lat, q_rope, cache, block_table, seq_lens, scale: float,
                             and w_uv.dtype == q_lat.dtype), "w_uv must be [H, V, L] in q's dtype, rows contiguous"
     if config is None and hopper.supported(q_lat, q_rope, cache):  # Hopper at DeepSeek widths: the Gluon kernels
         if num_splits <= 0:
-            num_splits = hopper.num_splits(B, H, block_table.shape[1] * page)
+            num_splits = hopper.split_count(B, H, block_table.shape[1] * page)
         return torch.ops.hybrid.mla_decode_wg(q_lat, q_rope, cache, block_table, seq_lens, float(scale), num_splits,
                                               w_uv)
     if num_splits <= 0:
@@ -515,7 +515,7 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
     if (T == 1 and mask is None and config is None and B > 0
             and hopper.supported_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope)):  # Hopper, DeepSeek widths
         return torch.ops.hybrid.mla_decode_wg_dense(q_lat[:, :, 0], q_rope[:, :, 0], latent, k_rope, float(scale),
-                                                    num_splits if num_splits > 0 else hopper.num_splits(B, H, S)
+                                                    num_splits if num_splits > 0 else hopper.split_count(B, H, S)
                                                     ).unsqueeze(2)
     if num_splits <= 0:
         num_splits = choose_num_splits(tiles * triton.cdiv(H, bh), S, cfg["block_n"], cfg.get("per_sm", 1))
