@@ -146,6 +146,20 @@ if HAVE_GLUON:
                    lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN)
 
     @gluon.jit
+    def _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE: gl.constexpr, BN: gl.constexpr):
+        """Sequence b64's keys for split pid_split: (kb, k_lo, k_hi), kb its block-table row offset (paged) or batch
+        row (dense, every sequence S_DENSE keys), [k_lo, k_hi) whole BN-key tiles dealt out evenly (the last ragged)."""
+        if PAGE > 0:
+            seq_len = gl.load(SEQ + b64)
+            kb = b64 * s_bt
+        else:
+            seq_len = S_DENSE
+            kb = b64
+        per_split = gl.cdiv(gl.cdiv(seq_len, BN), NUM_SPLITS)
+        k_lo = pid_split * per_split * BN
+        return kb, k_lo, gl.minimum((pid_split + 1) * per_split * BN, seq_len)
+
+    @gluon.jit
     def _scores(q_lat_s, q_rope_s, lat, rope, s, C0: gl.constexpr, NC: gl.constexpr, WITH_ROPE: gl.constexpr,
                 PENDING: gl.constexpr, FIRST: gl.constexpr):
         """Once this warpgroup's copies but the last PENDING groups landed: s += q . keys over latent columns
@@ -336,15 +350,7 @@ if HAVE_GLUON:
         smem_rope: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-        if PAGE > 0:
-            seq_len = gl.load(SEQ + b)
-            kb = b64 * s_bt
-        else:
-            seq_len = S_DENSE
-            kb = b64
-        per_split = gl.cdiv(gl.cdiv(seq_len, BN), NUM_SPLITS)
-        k_lo = pid_split * per_split * BN
-        k_hi = gl.minimum((pid_split + 1) * per_split * BN, seq_len)
+        kb, k_lo, k_hi = _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE, BN)
         n_pairs = gl.cdiv(gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN), 2)
 
         q_lat_s = gl.allocate_shared_memory(dtype, [BH, LAT], smem_lat)

@@ -24,7 +24,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .hopper import _copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start
+    from .hopper import _copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start, _split_keys
 
     @gluon.jit
     def _mla_decode_narrow_kernel(QL, QR, LATP, ROPEP, BT, SEQ, PO, PLSE, O,
@@ -49,15 +49,7 @@ if HAVE_GLUON:
         smem_qr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, ROPE], dtype)
         smem_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HN], dtype)
 
-        if PAGE > 0:
-            seq_len = gl.load(SEQ + b)
-            kb = b64 * s_bt
-        else:
-            seq_len = S_DENSE
-            kb = b64
-        per_split = gl.cdiv(gl.cdiv(seq_len, BN), NUM_SPLITS)
-        k_lo = pid_split * per_split * BN
-        k_hi = gl.minimum((pid_split + 1) * per_split * BN, seq_len)
+        kb, k_lo, k_hi = _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE, BN)
         n_tiles = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN)
 
         q_lat_s = gl.allocate_shared_memory(dtype, [HN, LAT], smem_q)
