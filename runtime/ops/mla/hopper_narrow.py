@@ -9,8 +9,9 @@ A wgmma's M is 64, more than the heads, so the products are computed transposed 
 HN = 16 or 32 (heads padded with zero queries; their rows are never stored). One warpgroup per program, one
 program per (sequence, split), every head of the sequence in it, so each key byte is read once. Key tiles of 64
 keys (72 KB: latent + rope columns) come by cp.async into a ring of two; the next tile's copies are issued before
-the current tile is waited for, so one tile is always in flight while the dots and the softmax run (memory time
-per tile at 4.3 TB/s over 132 SMs is ~2.3 us, the tile's dots ~0.7 us). The softmax runs down the key axis: row
+the current tile is waited for, so one tile is always in flight while the dots and the softmax run (a tile's
+share of 4.3 TB/s over 132 SMs is ~2.3 us; measured in steady state: 2.33 us per tile per SM,
+bench/results/2026-12-01_mla_decode_narrow_h200.md). The softmax runs down the key axis: row
 maxima and sums are per head (per column of S^T). Shared memory: 2 x 72 KB + q (HN x 576) + P^T. Outputs and
 split-KV partials are hopper.py's (``_mla_attn_kernel``'s decode layout), merged by kernels.py's merge kernels.
 """
