@@ -485,18 +485,22 @@ def bundled_ptxas():
     return next((p for p in (d / "ptxas-blackwell", d / "ptxas") if p.exists()), None)
 
 
-def compile_wg(page: int, direct: bool, heads: int = 128):
+def compile_wg(page: int, direct: bool, heads: int = 128, stamps: bool = False, early_ids: bool = False,
+               wide: bool = False):
     """A Gluon decode kernel compiled for sm_90 on any machine (no GPU): hopper.py's at 64+ heads, hopper_narrow.py's
-    at up to 32 (heads padded to 16 or 32). The interpreter cannot run Gluon, so this is what CPU CI can check of
-    them. Strides are taken as multiples of 16, as at DeepSeek widths."""
+    at up to 32 (heads padded to 16 or 32; with bench/mla_probe.py's knobs). The interpreter cannot run Gluon, so
+    this is what CPU CI can check of them. Strides are taken as multiples of 16, as at DeepSeek widths."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from runtime.ops.mla import hopper_narrow
     ptrs = dict(QL="*bf16", QR="*bf16", LATP="*bf16", ROPEP="*bf16", BT="*i32", SEQ="*i32", PO="*fp32", PLSE="*fp32",
-                O="*bf16")
+                O="*bf16", TS="*i64")
     cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BN=hopper.BN, num_warps=4)
     if heads <= hopper.NARROW_MAX_HEADS:
-        k, cx = hopper_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32}
+        k, cx = hopper_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32,
+                                                          "EARLY_IDS": early_ids, "WIDE": wide}
+        if not stamps:
+            cx["TS"] = None
     else:
         k, cx = hopper._mla_decode_wg_kernel, {**cx, "BH": hopper.BH}
     sig = {n: "constexpr" if n in cx else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in k.arg_names}

@@ -550,7 +550,8 @@ def test_warpgroup_kernel_only_where_it_applies():
 
 def test_warpgroup_kernel_compiles_for_sm90_offline():
     """The Gluon kernels cannot run in the interpreter: compile them for sm_90 here (Triton's bundled ptxas, no GPU),
-    paged, direct-output and dense (page 0) forms at 128, 16 and 32 heads, and check they fit: wgmma, under the 227 KB
+    paged, direct-output and dense (page 0) forms at 128, 16 and 32 heads (and the narrow kernel with
+    bench/mla_probe.py's knobs), and check they fit: wgmma, under the 227 KB
     of shared memory, and at most 128 B of spills (Triton 3.9: none; 3.6: 88-104 B of hoisted addresses at 128 heads;
     a spilled accumulator would be kilobytes)."""
     from runtime.ops.mla import hopper
@@ -558,9 +559,10 @@ def test_warpgroup_kernel_compiles_for_sm90_offline():
         pytest.skip("this Triton has no Gluon")
     pytest.importorskip("triton.backends.nvidia.compiler")
     code = ("import sys; sys.path.insert(0, '.'); import bench.mla as m\n"
-            "for heads, page, direct in ((128, 16, False), (128, 64, True), (128, 0, False), (16, 64, False),\n"
-            "                            (16, 0, True), (32, 16, False)):\n"
-            "    k = m.compile_wg(page, direct, heads)\n"
+            "for heads, page, direct, knobs in ((128, 16, False, 0), (128, 64, True, 0), (128, 0, False, 0),\n"
+            "                                  (16, 64, False, 0), (16, 0, True, 0), (32, 16, False, 0),\n"
+            "                                  (16, 16, False, 1)):\n"
+            "    k = m.compile_wg(page, direct, heads, stamps=knobs, early_ids=knobs, wide=knobs)\n"
             "    info = m.ptxas_info(m.bundled_ptxas(), k).split()\n"
             "    print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'], info[info.index('spills') + 1])")
     # "0", not unset: bench/mla.py turns the interpreter on where there is no GPU, and Triton's own jit helpers (the
@@ -568,11 +570,69 @@ def test_warpgroup_kernel_compiles_for_sm90_offline():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.strip().splitlines()[-6:]
-    assert len(lines) == 6, res.stdout
+    lines = res.stdout.strip().splitlines()[-7:]
+    assert len(lines) == 7, res.stdout
     for line in lines:
         shared, wgmma, spills = line.split()
         assert int(shared) <= 232448 and wgmma == "True" and int(spills) <= 128, line
+
+
+def test_probe_timeline_reads_the_stamps():
+    """bench/mla_probe.py's reading of the narrow kernel's stamps (ns per program: start, lengths known, first tile,
+    loop end, end, SM, tiles), on a made-up launch of three programs, one without keys."""
+    sys.path.insert(0, str(REPO))
+    from bench.mla_probe import timeline
+    us = 1000
+    ts = torch.tensor([[5 * us, 6 * us, 8 * us, 20 * us, 21 * us, 0, 7, 0],
+                       [7 * us, 8 * us, 11 * us, 13 * us, 14 * us, 1, 2, 0],
+                       [6 * us, 6 * us, 0, 0, 9 * us, 0, 0, 0]], dtype=torch.int64)
+    ts[:, :5] += 10 ** 12                                                   # the global timer is since the epoch
+    t = timeline(ts)
+    assert t["start_spread"] == 2 and t["to_lengths"] == 1
+    assert t["to_tile0"] == 3 and t["to_tile0_max"] == 4                    # programs with keys only (median: lower)
+    assert t["per_tile"] == 2                                               # (20 - 8) / 6 and (13 - 11) / 1
+    assert t["epilogue"] == 1 and t["first_end"] == 4 and t["last_end"] == 16 and t["programs_per_sm"] == 2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon narrow kernel is for sm_90")
+@pytest.mark.parametrize("page", [16, 64, 0])
+def test_narrow_kernel_knobs_keep_the_output(page):
+    """hopper_narrow's A/B knobs (early block ids, one wide copy per tile) and its stamps change when bytes move, not
+    which: outputs and split partials bit-identical to the shipped form on ragged lengths (paged) or every key
+    (dense, page 0), one and three splits; the stamps of every program with keys in order, with its tile count."""
+    from runtime.ops.mla import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    L, R, H, bf16 = 512, 64, 16, torch.bfloat16
+    seq_lens = [1, 17, 300, 0, 63, 65, 1000] if page else [333] * 3
+    B = len(seq_lens)
+    if page:
+        cache, bt, sl = _paged(seq_lens, L, R, page, seed=5)
+        lat = cache.to(bf16)
+        rope = lat[..., L:]
+    else:
+        lat, rope, bt, sl = randn(B, 333, L + R, dtype=bf16)[..., :L], randn(B, 333, R, dtype=bf16), None, None
+    q_lat, q_rope = randn(B, H, L, dtype=bf16), randn(B, H, R, dtype=bf16)
+    for ns in (1, 3):
+        def run(**knobs):
+            out = q_lat.new_empty((B, H, L))
+            parts = hopper._launch(q_lat, q_rope, lat, rope, page, bt, sl, 0.1, ns, out, **knobs)
+            return [out] if parts is None else list(parts)
+        want = run()
+        for knobs in ({"EARLY_IDS": True}, {"WIDE": True}, {"EARLY_IDS": True, "WIDE": True}):
+            for a, b in zip(run(**knobs), want):
+                assert torch.equal(a, b), knobs
+        ts = torch.zeros(B * ns, 8, dtype=torch.int64, device=DEV)
+        for a, b in zip(run(TS=ts), want):
+            assert torch.equal(a, b)
+        for prog, row in enumerate(ts.tolist()):
+            n = seq_lens[prog // ns]
+            per = -(-(-(-n // 64)) // ns) * 64                                  # keys per split, whole tiles
+            tiles = -(-max(min(n, (prog % ns + 1) * per) - (prog % ns) * per, 0) // 64)
+            assert row[6] == tiles, (prog, row)
+            stamps = row[:5] if tiles else [row[0], row[1], row[4]]
+            assert stamps == sorted(stamps) and 0 <= row[5] < torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def _spy_wg_launches(monkeypatch, arg: str) -> list:

@@ -119,10 +119,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _copy_keys(LATP, ROPEP, blk, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
                    NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
-                   BN: gl.constexpr):
+                   BN: gl.constexpr, WIDE: gl.constexpr = False):
         """cp.async (one commit group) of latent columns [64 C0, 64 (C0 + NC)) of the key tile start .. start + BN
         (in blocks ``blk``, from _key_blocks), and its rope columns if WITH_ROPE, issued by one warpgroup; keys >=
-        k_hi read as zeros. 64-column copies keep few pointers live."""
+        k_hi read as zeros. 64-column copies keep few pointers live, but Triton 3.6 puts a CTA barrier between
+        copies into slices of one buffer (3.9 does not); WIDE issues the columns as one copy (an A/B knob of
+        hopper_narrow's kernel, bench/mla_probe.py)."""
         keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, _CHUNK))
         if PAGE > 0:
             pos = (keys % PAGE).to(gl.int64)
@@ -131,8 +133,12 @@ if HAVE_GLUON:
         row_l = gl.expand_dims(blk * s_lb + pos * s_ls, 1)
         ok = gl.expand_dims(keys < k_hi, 1)
         cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _CHUNK)), 0)
-        for c in gl.static_range(C0, C0 + NC):
-            _cp_async(lat_dst.slice(c * 64, 64, dim=1), LATP + row_l + (cols + c * 64), mask=ok)
+        if WIDE:
+            wide = gl.expand_dims(gl.arange(0, NC * 64, layout=gl.SliceLayout(0, _CHUNK)), 0)
+            _cp_async(lat_dst.slice(C0 * 64, NC * 64, dim=1), LATP + row_l + (wide + C0 * 64), mask=ok)
+        else:
+            for c in gl.static_range(C0, C0 + NC):
+                _cp_async(lat_dst.slice(c * 64, 64, dim=1), LATP + row_l + (cols + c * 64), mask=ok)
         if WITH_ROPE:
             _cp_async(rope_dst, ROPEP + gl.expand_dims(blk * s_rb + pos * s_rs, 1) + cols, mask=ok)
         async_copy.commit_group()
@@ -140,10 +146,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
                    NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
-                   BN: gl.constexpr):
+                   BN: gl.constexpr, WIDE: gl.constexpr = False):
         """_copy_keys of the tile's columns, its block ids loaded here (paged: in batch-row kb of the table BT)."""
         _copy_keys(LATP, ROPEP, _key_blocks(BT, kb, start, k_hi, PAGE, BN), start, k_hi, s_lb, s_ls, s_rb, s_rs,
-                   lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN)
+                   lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN, WIDE)
 
     @gluon.jit
     def _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE: gl.constexpr, BN: gl.constexpr):
@@ -398,9 +404,10 @@ def split_count(B: int, H: int, max_len) -> int:
     return kernels.choose_num_splits(programs, max_len, BN, per_sm=1)
 
 
-def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: float, num_splits: int, out):
+def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: float, num_splits: int, out, **knobs):
     """Paged (page > 0: lat / rope are the cache and its rope columns, [NB, page, *]) or dense (page 0: [B, S, *]).
-    One split: o_lat straight into ``out`` [B, H, 512]; several: returns the partials (po, plse)."""
+    One split: o_lat straight into ``out`` [B, H, 512]; several: returns the partials (po, plse). ``knobs`` go to
+    hopper_narrow's kernel (bench/mla_probe.py's timeline and A/B switches)."""
     B, H, L = q_lat.shape
     direct = num_splits == 1
     if direct:
@@ -414,10 +421,13 @@ def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: f
             q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), lat.stride(0), lat.stride(1),
             rope.stride(0), rope.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_splits,
             lat.shape[1], scale * 1.4426950408889634)
+    if knobs and H > NARROW_MAX_HEADS:
+        raise ValueError(f"launch knobs {sorted(knobs)} are hopper_narrow's (up to {NARROW_MAX_HEADS} heads), not {H}")
     if H <= NARROW_MAX_HEADS:
         from .hopper_narrow import _mla_decode_narrow_kernel
         _mla_decode_narrow_kernel[(B, num_splits)](*args, PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct,
-                                                   HN=16 if H <= 16 else 32, BN=BN, num_warps=4, **pdl_opts(q_lat))
+                                                   HN=16 if H <= 16 else 32, BN=BN, num_warps=4, **pdl_opts(q_lat),
+                                                   **knobs)
     else:
         _mla_decode_wg_kernel[(H // BH, B, num_splits)](*args, PAGE=page, LAT=LAT, ROPE=ROPE, DIRECT=direct, BH=BH,
                                                         BN=BN, num_warps=4, **pdl_opts(q_lat))

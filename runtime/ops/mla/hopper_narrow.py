@@ -28,17 +28,44 @@ if HAVE_GLUON:
     from .hopper import _copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start, _split_keys
 
     @gluon.jit
+    def _note(TS, prog, i: gl.constexpr, value, when=True):
+        """TS[prog, i] = value (int64) where TS is given: bench/mla_probe.py's per-program timeline."""
+        if TS is not None:
+            if when:
+                gl.store(TS + prog.to(gl.int64) * 8 + i, value.to(gl.int64))
+
+    @gluon.jit
+    def _stamp(TS, prog, i: gl.constexpr, dep, when=True):
+        """_note of the global timer (ns), read once ``dep`` (an int32) is available."""
+        if TS is not None:
+            _note(TS, prog, i, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep],
+                                                         dtype=gl.int64, is_pure=False, pack=1), when)
+
+    @gluon.jit
+    def _note_sm(TS, prog, i: gl.constexpr):
+        """_note of the SM the program runs on."""
+        if TS is not None:
+            _note(TS, prog, i, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                                         is_pure=False, pack=1))
+
+    @gluon.jit
     def _mla_decode_narrow_kernel(QL, QR, LATP, ROPEP, BT, SEQ, PO, PLSE, O,
                                   s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, s_ob, s_oh,
                                   H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                                   PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
                                   HN: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                                  PDL: gl.constexpr = False):
+                                  PDL: gl.constexpr = False, TS=None, EARLY_IDS: gl.constexpr = False,
+                                  WIDE: gl.constexpr = False):
         """Program (sequence, split). Keys from pages (PAGE > 0: block table BT, lengths SEQ) or from HF's dense
-        latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long)."""
+        latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long). TS, EARLY_IDS and WIDE are
+        bench/mla_probe.py's: TS [programs, 8] int64 takes a timeline of each program (global timer at its
+        start, lengths known, first tile landed, loop done, end; its SM and tile count); EARLY_IDS loads the
+        first two tiles' block ids before the first copy; WIDE copies each tile's latent as one cp.async."""
         _pdl_start(PDL)
         b = gl.program_id(0)
         pid_split = gl.program_id(1)
+        prog = b * NUM_SPLITS + pid_split
+        _stamp(TS, prog, 0, b)
         b64 = b.to(gl.int64)
         dtype: gl.constexpr = LATP.dtype.element_ty
         t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -52,6 +79,7 @@ if HAVE_GLUON:
 
         kb, k_lo, k_hi = _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE, BN)
         n_tiles = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN)
+        _stamp(TS, prog, 1, k_hi)
 
         q_lat_s = gl.allocate_shared_memory(dtype, [HN, LAT], smem_q)
         q_rope_s = gl.allocate_shared_memory(dtype, [HN, ROPE], smem_qr)
@@ -69,10 +97,15 @@ if HAVE_GLUON:
             _cp_async(q_lat_s.slice(c * 64, 64, dim=1), QL + b64 * s_qlb + heads * s_qlh + (cols + c * 64), mask=h_ok)
         _cp_async(q_rope_s, QR + b64 * s_qrb + heads * s_qrh + cols, mask=h_ok)
         async_copy.commit_group()
-        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
-                   0, LAT // 64, True, PAGE, LAT, BN)
-
-        blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)   # block ids one tile ahead of their copies
+        if EARLY_IDS:
+            blk_0 = _key_blocks(BT, kb, k_lo, k_hi, PAGE, BN)
+            blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)
+            _copy_keys(LATP, ROPEP, blk_0, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
+                       0, LAT // 64, True, PAGE, LAT, BN, WIDE)
+        else:
+            _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
+                       0, LAT // 64, True, PAGE, LAT, BN, WIDE)
+            blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)   # block ids one tile ahead of their copies
         m_i = gl.full([HN], -1.0e30, gl.float32, layout=heads_l)
         l_i = gl.zeros([HN], gl.float32, layout=heads_l)
         acc = gl.zeros([LAT, HN], gl.float32, layout=t_layout)
@@ -83,11 +116,12 @@ if HAVE_GLUON:
             # the next tile into the other buffer (free: its P . V was waited for), the block ids of the one after
             # (their load latency hides behind this tile's dots), then wait for this tile
             _copy_keys(LATP, ROPEP, blk_next, start + BN, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index((j + 1) % 2),
-                       rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN)
+                       rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN, WIDE)
             blk_next = _key_blocks(BT, kb, start + 2 * BN, k_hi, PAGE, BN)
             async_copy.wait_group(1)
             fence_async_shared()
             _cta_barrier()
+            _stamp(TS, prog, 2, j, j == 0)
             s = gl.zeros([BN, HN], gl.float32, layout=t_layout)
             for c in gl.static_range(LAT // 64):
                 s = warpgroup_mma(lat.slice(c * 64, 64, dim=1), q_lat_s.slice(c * 64, 64, dim=1).permute((1, 0)), s,
@@ -108,6 +142,7 @@ if HAVE_GLUON:
             _cta_barrier()  # every warp is past this tile's P . V before its buffer is refilled
             m_i = m_new
         async_copy.wait_group(0)  # the (masked, empty) copies issued for the tile after the last
+        _stamp(TS, prog, 3, n_tiles)
 
         l_use = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.expand_dims(l_use, 0)                                   # [LAT, HN]
@@ -121,3 +156,6 @@ if HAVE_GLUON:
             rows = (b64 * H + h_out) * NUM_SPLITS + pid_split
             gl.store(PLSE + rows, gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_use)), mask=h_out < H)
             gl.store(PO + gl.expand_dims(rows * LAT, 0) + d_out, out, mask=ok & gl.expand_dims(l_i > 0.0, 0))
+        _stamp(TS, prog, 4, b)
+        _note_sm(TS, prog, 5)
+        _note(TS, prog, 6, n_tiles)
