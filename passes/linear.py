@@ -3,7 +3,12 @@
 At batch 1 every projection is a one-row GEMM whose time is its weight's bytes plus a fixed cost per kernel;
 cuBLAS's one-row kernels leave bandwidth on the table for 2-50 MB weights and some add a split-K reduction
 kernel (bench/results/2026-11-30_linear_h200.md). The ops choose per call (runtime/ops/linear/ops.py): one row on
-CUDA in fp16/bf16 -> Triton, anything else (prefill, bigger batches, the CPU) -> ``F.linear`` unchanged.
+CUDA in fp16/bf16 -> Triton, anything else (prefill, bigger batches, the CPU) -> ``F.linear`` unchanged. Where the
+graph fixes the row count at a value the kernels never take (a static prefill, a static decode at batch 8), the
+linear stays F.linear for Inductor: the op would only add host time per call where no CUDA graph hides it (its
+dispatch, and the norm and GLU passes' ops built on it). DeepSeek-V2-Lite's static B=8 step carried 17 such ops
+(7 hybrid ops -> 24, counted on the CPU) in the run where it was 1.2 ms slower without graphs than before the pass
+(bench/results/2026-12-01_models_dsv2lite_4k_narrow_h200.md); how much of that they cost is not measured.
 
 Siblings that read the same input with bias-free weights (``q_proj`` + ``kv_a_proj_with_mqa``, ``gate_proj`` +
 ``up_proj``, ``q/k/v_proj``) become one ``linear_group`` call: one launch instead of two or three. Only linears
@@ -21,6 +26,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphs.regions import is_inplace, node_value
+
+from runtime.ops.linear.kernels import pick_config
 
 from .base import PassContext
 
@@ -42,6 +49,17 @@ def _parts(n: fx.Node):
     if not (out.dtype == xv.dtype == wv.dtype) or (isinstance(bv, torch.Tensor) and bv.dtype != xv.dtype):
         return None  # autocast (or mixed dtypes): F.linear's own casting rules apply
     return x, w, b
+
+
+def _fixed_rows_untaken(x: fx.Node, w: fx.Node) -> bool:
+    """Is the row count of x a fixed number (a graph compiled for static shapes) at which ``pick_config`` takes no
+    Triton kernel? Then every call of the op would run ``F.linear``: an opaque call (host time per launch without
+    CUDA graphs) that Inductor's own mm does as well. Symbolic row counts (the engine's graphs, dynamo's dynamic
+    recompiles) keep the op: it decides per call."""
+    xv, wv = node_value(x), node_value(w)
+    if not all(isinstance(d, int) for d in xv.shape) or xv.dim() == 0 or xv.shape[-1] == 0:
+        return False
+    return pick_config(xv.numel() // xv.shape[-1], [wv.shape[0]], xv.shape[-1]) is None
 
 
 def may_mutate(n: fx.Node) -> bool:
@@ -68,6 +86,11 @@ class DecodeLinear:
         weights = ctx.weight_nodes
         found = [(n, p) for n in graph.nodes if (p := _parts(n)) is not None and p[1] in weights
                  and (p[2] is None or p[2] in weights)]
+        fixed = [n for n, p in found if _fixed_rows_untaken(p[0], p[1])]
+        if fixed:
+            ctx.notes.append(f"{len(fixed)} linear layers left to Inductor: their row count is fixed in this graph "
+                             "and the Triton kernels take no call at it (the op would run F.linear)")
+            found = [(n, p) for n, p in found if n not in fixed]
         if not found:
             return 0
         parts = dict(found)

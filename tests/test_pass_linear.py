@@ -58,7 +58,7 @@ class _Computed(torch.nn.Module):
 
 def test_computed_weights_stay_and_bias_runs_alone():
     m = _Computed().eval()
-    x = torch.randn(1, 3, 24)
+    x = torch.randn(1, 1, 24)
     with torch.no_grad():
         want = m(x)
     with _compiled(m, {}) as (fn, report, seen):
@@ -66,6 +66,31 @@ def test_computed_weights_stay_and_bias_runs_alone():
     assert sorted(o for g in seen for o in g) == ["F.linear", "group", "linear"]
     assert _notes(report) == ["3 linear layers -> hybrid::linear (2 of them in 1 shared-input launches): Triton "
                               "kernels at one row, F.linear otherwise"]
+
+
+def test_fixed_rows_the_kernels_never_take_stay_f_linear():
+    """Where the graph fixes the row count at one that the Triton kernels never take (DeepSeek-V2 decoding two
+    sequences, three rows of small weights), every linear stays F.linear for Inductor and the report says why; the
+    same rows marked dynamic keep the ops, which decide per call."""
+    model = zoo.build("deepseek_v2")
+    ids = torch.randint(3, model.config.vocab_size, (2, 1))
+    with torch.no_grad():
+        want = model(ids).logits
+    with _compiled(model.forward, {}) as (fn, report, seen):
+        assert rel_err(fn(ids).logits, want) < 1e-5
+    ops = [o for g in seen for o in g]
+    n = 6 * model.config.num_hidden_layers + 1
+    assert ops == ["F.linear"] * n
+    assert _notes(report) == [f"{n} linear layers left to Inductor: their row count is fixed in this graph and the "
+                              "Triton kernels take no call at it (the op would run F.linear)"]
+    m = _Computed().eval()
+    x = torch.randn(1, 3, 24)
+    torch._dynamo.mark_dynamic(x, 1)
+    with torch.no_grad():
+        want = m(x)
+    with _compiled(m, {}) as (fn, report, seen):
+        torch.testing.assert_close(fn(x), want)
+    assert sorted(o for g in seen for o in g) == ["F.linear", "group", "linear"]
 
 
 def test_switch_turns_it_off():
@@ -92,7 +117,7 @@ class _WriteBetween(torch.nn.Module):
 
 def test_siblings_with_a_write_between_are_not_grouped():
     m = _WriteBetween().eval()
-    x = torch.randn(1, 3, 24)
+    x = torch.randn(1, 1, 24)
     with torch.no_grad():
         want = m(x)
     with _compiled(m, {}) as (fn, report, seen):

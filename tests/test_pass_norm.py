@@ -172,8 +172,8 @@ def test_lm_head_sized_weight_keeps_the_norm_kernel():
 
 
 def test_greedy_generate_unchanged_bf16():
-    """Greedy generate through the backend (prefill falls back to the norm kernel / reference + F.linear, decode
-    rows take the prologue where the kernels run) equals eager, bf16 Llama and Mixtral."""
+    """Greedy generate through the backend (the static two-row prefill keeps F.linear and Inductor's norm,
+    passes/linear.py; decode rows take the prologue where the kernels run) equals eager, bf16 Llama and Mixtral."""
     for name in ("llama", "mixtral"):
         model = zoo.build(name, dtype=torch.bfloat16)
         ids = torch.randint(3, model.config.vocab_size, (2, 7))
