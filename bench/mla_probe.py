@@ -7,7 +7,9 @@ latent copied by one cp.async, without the CTA barriers Triton 3.6 puts between 
   - the time as bench/mla.py takes it (CUDA graph of attention + merge, L2 flushed, median of 100 replays);
   - a timeline from the kernel's own global-timer stamps (TS), medians over 20 flushed launches: how far apart the
     programs start, the time to the sequence length and to the first key tile, the steady per-tile time, the
-    epilogue, and when the first and the last program end (all from the first program's start).
+    epilogue, and when the first and the last program end (all from the first program's start). The global timer
+    may tick as coarsely as 1 us on some GPUs: the figures are medians over programs and launches, and the per-tile
+    time spans a whole loop.
 Usage (GPU): python3 bench/mla_probe.py [--shapes 1024x64,4096x32] [--out probe.json]
 """
 from __future__ import annotations
