@@ -27,8 +27,6 @@ from torch import fx
 
 from graphs.regions import is_inplace, node_value
 
-from runtime.ops.linear.kernels import pick_config
-
 from .base import PassContext
 
 KIND = "linear"
@@ -56,6 +54,7 @@ def _fixed_rows_untaken(x: fx.Node, w: fx.Node) -> bool:
     Triton kernel? Then every call of the op would run ``F.linear``: an opaque call (host time per launch without
     CUDA graphs) that Inductor's own mm does as well. Symbolic row counts (the engine's graphs, dynamo's dynamic
     recompiles) keep the op: it decides per call."""
+    from runtime.ops.linear.kernels import pick_config  # as passes/norm.py: the kernels load with the ops, not here
     xv, wv = node_value(x), node_value(w)
     if not all(isinstance(d, int) for d in xv.shape) or xv.dim() == 0 or xv.shape[-1] == 0:
         return False
@@ -86,7 +85,7 @@ class DecodeLinear:
         weights = ctx.weight_nodes
         found = [(n, p) for n in graph.nodes if (p := _parts(n)) is not None and p[1] in weights
                  and (p[2] is None or p[2] in weights)]
-        fixed = [n for n, p in found if _fixed_rows_untaken(p[0], p[1])]
+        fixed = {n for n, p in found if _fixed_rows_untaken(p[0], p[1])}
         if fixed:
             ctx.notes.append(f"{len(fixed)} linear layers left to Inductor: their row count is fixed in this graph "
                              "and the Triton kernels take no call at it (the op would run F.linear)")
