@@ -485,10 +485,9 @@ def bundled_ptxas():
     return next((p for p in (d / "ptxas-blackwell", d / "ptxas") if p.exists()), None)
 
 
-def compile_wg(page: int, direct: bool, heads: int = 128, stamps: bool = False, early_ids: bool = False,
-               wide: bool = False):
+def compile_wg(page: int, direct: bool, heads: int = 128, stamps: bool = False):
     """A Gluon decode kernel compiled for sm_90 on any machine (no GPU): hopper.py's at 64+ heads, hopper_narrow.py's
-    at up to 32 (heads padded to 16 or 32; with bench/mla_probe.py's knobs). The interpreter cannot run Gluon, so
+    at up to 32 (heads padded to 16 or 32; stamps: with bench/mla_probe.py's timeline). The interpreter cannot run Gluon, so
     this is what CPU CI can check of them. Strides are taken as multiples of 16, as at DeepSeek widths."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -497,8 +496,7 @@ def compile_wg(page: int, direct: bool, heads: int = 128, stamps: bool = False, 
                 O="*bf16", TS="*i64")
     cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BN=hopper.BN, num_warps=4)
     if heads <= hopper.NARROW_MAX_HEADS:
-        k, cx = hopper_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32,
-                                                          "EARLY_IDS": early_ids, "WIDE": wide}
+        k, cx = hopper_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32}
         if not stamps:
             cx["TS"] = None
     else:

@@ -1,10 +1,9 @@
-"""Where the 16-head Gluon decode (hopper_narrow.py) spends its time, and two candidate changes (dev probe, H200).
+"""Where the 16-head Gluon decode (hopper_narrow.py) spends its time (dev probe, H200).
 
-For each shape (B sequences x S cached keys, DeepSeek-V2-Lite attention, shuffled 64-key pages) and each set of
-the kernel's A/B knobs (EARLY_IDS: the first two tiles' block ids loaded before the first copy; WIDE: a tile's
-latent copied by one cp.async, without the CTA barriers Triton 3.6 puts between copies into slices of one buffer):
-  - the output, which must be bit-identical to the shipped kernel's (the knobs change when bytes move, not which);
-  - the time as bench/mla.py takes it (CUDA graph of attention + merge, L2 flushed, median of 100 replays);
+For each shape (B sequences x S cached keys, DeepSeek-V2-Lite attention, shuffled 64-key pages):
+  - the time as bench/mla.py takes it (CUDA graph of attention + merge, L2 flushed, median of 100 replays), next to
+    one plain read of the cache and to the same launch with every length 0 (launch, queries, epilogue, merge: the
+    part that does not scale with the keys);
   - a timeline from the kernel's own global-timer stamps (TS), medians over 20 flushed launches: how far apart the
     programs start, the time to the sequence length and to the first key tile, the steady per-tile time, the
     epilogue, and when the first and the last program end (all from the first program's start). The global timer
@@ -28,14 +27,12 @@ from bench.mla import _flush_l2, make_paged, read_floor_ms, time_ms  # noqa: E40
 from runtime.ops.mla import hopper, kernels  # noqa: E402
 
 SHAPES = "1024x64,1024x128,4096x32,16384x8,4096x128,256x128"     # the rows under 80% at 16 heads, two more
-KNOBS = {"shipped": {}, "early_ids": {"EARLY_IDS": True}, "wide": {"WIDE": True},
-         "early_ids+wide": {"EARLY_IDS": True, "WIDE": True}}
 STAMPS = ("start", "lengths", "tile0", "loop_end", "end", "sm", "tiles")
 HBM_BPS = 4.3e12
 
 
 def decode(q_lat, q_rope, cache, bt, seq, scale, splits, **knobs):
-    """hopper._decode's paged path with knobs for the narrow kernel."""
+    """hopper._decode's paged path, ``knobs`` (the stamps TS) to the narrow kernel."""
     out = q_lat.new_empty(q_lat.shape)
     parts = hopper._launch(q_lat, q_rope, cache, cache[..., hopper.LAT:], cache.shape[1], bt, seq, scale, splits,
                            out, **knobs)
@@ -62,7 +59,7 @@ def timeline(ts: torch.Tensor) -> dict:
                 last_end=end.max().item(), programs_per_sm=torch.bincount(ts[:, 5]).max().item())
 
 
-def probe(S: int, B: int, knob_sets: dict) -> list[dict]:
+def probe(S: int, B: int) -> dict:
     dev, dt, H = "cuda", torch.bfloat16, 16
     sh = dict(L=hopper.LAT, R=hopper.ROPE, block=hopper.BN)
     cache, bt, seq = make_paged(B, S, sh, dev, dt)
@@ -73,44 +70,39 @@ def probe(S: int, B: int, knob_sets: dict) -> list[dict]:
     splits = hopper.split_count(B, H, bt.shape[1] * hopper.BN)
     nbytes = B * S * (sh["L"] + sh["R"]) * 2 + B * H * (sh["L"] + sh["R"]) * 2 + B * H * sh["L"] * 2
     read_ms = read_floor_ms(cache, graph=True)
-    want = decode(q_lat, q_rope, cache, bt, seq, scale, splits)
+    ms = time_ms(lambda: decode(q_lat, q_rope, cache, bt, seq, scale, splits))[0]
+    no_keys = torch.zeros_like(seq)
+    empty_ms = time_ms(lambda: decode(q_lat, q_rope, cache, bt, no_keys, scale, splits))[0]
     ts = torch.zeros(B * splits, 8, device=dev, dtype=torch.int64)
-    rows = []
-    for name, knobs in knob_sets.items():
-        same = torch.equal(decode(q_lat, q_rope, cache, bt, seq, scale, splits, **knobs), want)
-        ms = time_ms(lambda: decode(q_lat, q_rope, cache, bt, seq, scale, splits, **knobs))[0]
-        figs = []
-        for _ in range(20):
-            ts.zero_()
-            _flush_l2()
-            decode(q_lat, q_rope, cache, bt, seq, scale, splits, TS=ts, **knobs)
-            torch.cuda.synchronize()
-            figs.append(timeline(ts))
-        tl = {k: statistics.median(f[k] for f in figs) for k in figs[0]}
-        rows.append(dict(S=S, B=B, splits=splits, knobs=name, bit_identical=same, us=ms * 1e3,
-                         pct_roofline=100 * nbytes / HBM_BPS / (ms / 1e3), read_once_us=read_ms * 1e3, **tl))
-        r = rows[-1]
-        print(f"S={S:5d} B={B:3d} splits={splits:2d} {name:15s} {'same' if same else 'DIFFERS':7s} "
-              f"{r['us']:6.1f} us ({r['pct_roofline']:3.0f}%, read once {r['read_once_us']:5.1f}) | start spread "
-              f"{r['start_spread']:4.1f} lengths {r['to_lengths']:4.1f} tile0 {r['to_tile0']:4.1f} "
-              f"(max {r['to_tile0_max']:4.1f}) per tile {r['per_tile']:4.2f} epilogue {r['epilogue']:4.1f} "
-              f"end {r['first_end']:5.1f}..{r['last_end']:5.1f}", flush=True)
-    return rows
+    figs = []
+    for _ in range(20):
+        ts.zero_()
+        _flush_l2()
+        decode(q_lat, q_rope, cache, bt, seq, scale, splits, TS=ts)
+        torch.cuda.synchronize()
+        figs.append(timeline(ts))
+    r = dict(S=S, B=B, splits=splits, us=ms * 1e3, pct_roofline=100 * nbytes / HBM_BPS / (ms / 1e3),
+             read_once_us=read_ms * 1e3, no_keys_us=empty_ms * 1e3,
+             **{k: statistics.median(f[k] for f in figs) for k in figs[0]})
+    print(f"S={S:5d} B={B:3d} splits={splits:2d} {r['us']:6.1f} us ({r['pct_roofline']:3.0f}%, read once "
+          f"{r['read_once_us']:5.1f}, no keys {r['no_keys_us']:4.1f}) | start spread {r['start_spread']:4.1f} lengths "
+          f"{r['to_lengths']:4.1f} tile0 {r['to_tile0']:4.1f} (max {r['to_tile0_max']:4.1f}) per tile "
+          f"{r['per_tile']:4.2f} epilogue {r['epilogue']:4.1f} end {r['first_end']:5.1f}..{r['last_end']:5.1f}",
+          flush=True)
+    return r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="comma list of SxB (cached keys x sequences)")
-    ap.add_argument("--knobs", default=",".join(KNOBS), help=f"comma list from {', '.join(KNOBS)}")
     ap.add_argument("--out", default=None, help="write JSON rows here")
     args = ap.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper.HAVE_GLUON):
         sys.exit("bench/mla_probe.py needs an sm_90 GPU and Triton with Gluon (the kernel it probes)")
-    knob_sets = {k: KNOBS[k] for k in args.knobs.split(",")}
     rows = []
     for shape in args.shapes.split(","):
         S, B = (int(x) for x in shape.split("x"))
-        rows += probe(S, B, knob_sets)
+        rows.append(probe(S, B))
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     triton=__import__("triton").__version__)

@@ -551,7 +551,7 @@ def test_warpgroup_kernel_only_where_it_applies():
 def test_warpgroup_kernel_compiles_for_sm90_offline():
     """The Gluon kernels cannot run in the interpreter: compile them for sm_90 here (Triton's bundled ptxas, no GPU),
     paged, direct-output and dense (page 0) forms at 128, 16 and 32 heads (and the narrow kernel with
-    bench/mla_probe.py's knobs), and check they fit: wgmma, under the 227 KB
+    bench/mla_probe.py's timeline stamps), and check they fit: wgmma, under the 227 KB
     of shared memory, and at most 128 B of spills (Triton 3.9: none; 3.6: 88-104 B of hoisted addresses at 128 heads;
     a spilled accumulator would be kilobytes)."""
     from runtime.ops.mla import hopper
@@ -562,7 +562,7 @@ def test_warpgroup_kernel_compiles_for_sm90_offline():
             "for heads, page, direct, knobs in ((128, 16, False, 0), (128, 64, True, 0), (128, 0, False, 0),\n"
             "                                  (16, 64, False, 0), (16, 0, True, 0), (32, 16, False, 0),\n"
             "                                  (16, 16, False, 1)):\n"
-            "    k = m.compile_wg(page, direct, heads, stamps=knobs, early_ids=knobs, wide=knobs)\n"
+            "    k = m.compile_wg(page, direct, heads, stamps=knobs)\n"
             "    info = m.ptxas_info(m.bundled_ptxas(), k).split()\n"
             "    print(k.metadata.shared, 'wgmma.mma_async' in k.asm['ptx'], info[info.index('spills') + 1])")
     # "0", not unset: bench/mla.py turns the interpreter on where there is no GPU, and Triton's own jit helpers (the
@@ -597,10 +597,10 @@ def test_probe_timeline_reads_the_stamps():
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon narrow kernel is for sm_90")
 @pytest.mark.parametrize("page", [16, 64, 0])
-def test_narrow_kernel_knobs_keep_the_output(page):
-    """hopper_narrow's A/B knobs (early block ids, one wide copy per tile) and its stamps change when bytes move, not
-    which: outputs and split partials bit-identical to the shipped form on ragged lengths (paged) or every key
-    (dense, page 0), one and three splits; the stamps of every program with keys in order, with its tile count."""
+def test_narrow_kernel_stamps_keep_the_output(page):
+    """hopper_narrow's timeline stamps (bench/mla_probe.py) change no result: outputs and split partials
+    bit-identical to the unstamped kernel on ragged lengths (paged) or every key (dense, page 0), one and three
+    splits; the stamps of every program with keys in order, with its tile count."""
     from runtime.ops.mla import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -620,9 +620,6 @@ def test_narrow_kernel_knobs_keep_the_output(page):
             parts = hopper._launch(q_lat, q_rope, lat, rope, page, bt, sl, 0.1, ns, out, **knobs)
             return [out] if parts is None else list(parts)
         want = run()
-        for knobs in ({"EARLY_IDS": True}, {"WIDE": True}, {"EARLY_IDS": True, "WIDE": True}):
-            for a, b in zip(run(**knobs), want):
-                assert torch.equal(a, b), knobs
         ts = torch.zeros(B * ns, 8, dtype=torch.int64, device=DEV)
         for a, b in zip(run(TS=ts), want):
             assert torch.equal(a, b)

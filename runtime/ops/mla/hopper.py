@@ -104,7 +104,9 @@ if HAVE_GLUON:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
 
-    _CHUNK = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # one warpgroup's [64, 64] copies
+    # one warpgroup's [64 keys, 64 columns] copies: a warp's 16-byte copies take 4 whole 128-byte rows. (8 rows x 64 bytes,
+    # as until 2026-12-01, ran the 16-head decode 5-12% slower: bench/results/2026-12-01_mla_probe_h200.md.)
+    _CHUNK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
     @gluon.jit
     def _key_blocks(BT, kb, start, k_hi, PAGE: gl.constexpr, BN: gl.constexpr):
@@ -119,12 +121,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _copy_keys(LATP, ROPEP, blk, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
                    NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
-                   BN: gl.constexpr, WIDE: gl.constexpr = False):
+                   BN: gl.constexpr):
         """cp.async (one commit group) of latent columns [64 C0, 64 (C0 + NC)) of the key tile start .. start + BN
         (in blocks ``blk``, from _key_blocks), and its rope columns if WITH_ROPE, issued by one warpgroup; keys >=
-        k_hi read as zeros. 64-column copies keep few pointers live, but Triton 3.6 puts a CTA barrier between
-        copies into slices of one buffer (3.9 does not); WIDE issues the columns as one copy (an A/B knob of
-        hopper_narrow's kernel, bench/mla_probe.py)."""
+        k_hi read as zeros. 64-column copies keep few pointers live; Triton 3.6 puts a CTA barrier between copies
+        into slices of one buffer (3.9 does not), but one wide copy per tile measured slower (2026-12-01 probe)."""
         keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, _CHUNK))
         if PAGE > 0:
             pos = (keys % PAGE).to(gl.int64)
@@ -133,12 +134,8 @@ if HAVE_GLUON:
         row_l = gl.expand_dims(blk * s_lb + pos * s_ls, 1)
         ok = gl.expand_dims(keys < k_hi, 1)
         cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _CHUNK)), 0)
-        if WIDE:
-            wide = gl.expand_dims(gl.arange(0, NC * 64, layout=gl.SliceLayout(0, _CHUNK)), 0)
-            _cp_async(lat_dst.slice(C0 * 64, NC * 64, dim=1), LATP + row_l + (wide + C0 * 64), mask=ok)
-        else:
-            for c in gl.static_range(C0, C0 + NC):
-                _cp_async(lat_dst.slice(c * 64, 64, dim=1), LATP + row_l + (cols + c * 64), mask=ok)
+        for c in gl.static_range(C0, C0 + NC):
+            _cp_async(lat_dst.slice(c * 64, 64, dim=1), LATP + row_l + (cols + c * 64), mask=ok)
         if WITH_ROPE:
             _cp_async(rope_dst, ROPEP + gl.expand_dims(blk * s_rb + pos * s_rs, 1) + cols, mask=ok)
         async_copy.commit_group()
@@ -146,10 +143,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
                    NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
-                   BN: gl.constexpr, WIDE: gl.constexpr = False):
+                   BN: gl.constexpr):
         """_copy_keys of the tile's columns, its block ids loaded here (paged: in batch-row kb of the table BT)."""
         _copy_keys(LATP, ROPEP, _key_blocks(BT, kb, start, k_hi, PAGE, BN), start, k_hi, s_lb, s_ls, s_rb, s_rs,
-                   lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN, WIDE)
+                   lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN)
 
     @gluon.jit
     def _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE: gl.constexpr, BN: gl.constexpr):

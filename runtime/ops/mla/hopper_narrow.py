@@ -54,13 +54,11 @@ if HAVE_GLUON:
                                   H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                                   PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
                                   HN: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                                  PDL: gl.constexpr = False, TS=None, EARLY_IDS: gl.constexpr = False,
-                                  WIDE: gl.constexpr = False):
+                                  PDL: gl.constexpr = False, TS=None):
         """Program (sequence, split). Keys from pages (PAGE > 0: block table BT, lengths SEQ) or from HF's dense
-        latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long). TS, EARLY_IDS and WIDE are
-        bench/mla_probe.py's: TS [programs, 8] int64 takes a timeline of each program (global timer at its
-        start, lengths known, first tile landed, loop done, end; its SM and tile count); EARLY_IDS loads the
-        first two tiles' block ids before the first copy; WIDE copies each tile's latent as one cp.async."""
+        latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long). TS is bench/mla_probe.py's: given, it
+        takes a timeline of each program ([programs, 8] int64: global timer at its start, lengths known, first tile
+        landed, loop done, end; its SM and tile count)."""
         _pdl_start(PDL)
         b = gl.program_id(0)
         pid_split = gl.program_id(1)
@@ -97,15 +95,9 @@ if HAVE_GLUON:
             _cp_async(q_lat_s.slice(c * 64, 64, dim=1), QL + b64 * s_qlb + heads * s_qlh + (cols + c * 64), mask=h_ok)
         _cp_async(q_rope_s, QR + b64 * s_qrb + heads * s_qrh + cols, mask=h_ok)
         async_copy.commit_group()
-        if EARLY_IDS:
-            blk_0 = _key_blocks(BT, kb, k_lo, k_hi, PAGE, BN)
-            blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)
-            _copy_keys(LATP, ROPEP, blk_0, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
-                       0, LAT // 64, True, PAGE, LAT, BN, WIDE)
-        else:
-            _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
-                       0, LAT // 64, True, PAGE, LAT, BN, WIDE)
-            blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)   # block ids one tile ahead of their copies
+        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
+                   0, LAT // 64, True, PAGE, LAT, BN)
+        blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)   # block ids one tile ahead of their copies
         m_i = gl.full([HN], -1.0e30, gl.float32, layout=heads_l)
         l_i = gl.zeros([HN], gl.float32, layout=heads_l)
         acc = gl.zeros([LAT, HN], gl.float32, layout=t_layout)
@@ -116,7 +108,7 @@ if HAVE_GLUON:
             # the next tile into the other buffer (free: its P . V was waited for), the block ids of the one after
             # (their load latency hides behind this tile's dots), then wait for this tile
             _copy_keys(LATP, ROPEP, blk_next, start + BN, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index((j + 1) % 2),
-                       rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN, WIDE)
+                       rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN)
             blk_next = _key_blocks(BT, kb, start + 2 * BN, k_hi, PAGE, BN)
             async_copy.wait_group(1)
             fence_async_shared()
