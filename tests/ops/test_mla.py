@@ -621,7 +621,11 @@ def test_narrow_kernel_stamps_keep_the_output(page):
             return [out] if parts is None else list(parts)
         want = run()
         ts = torch.zeros(B * ns, 8, dtype=torch.int64, device=DEV)
-        for a, b in zip(run(TS=ts), want):
+        got = run(TS=ts)
+        if ns > 1:  # a split without keys writes its log-sum-exp (-inf) and leaves its partial row unwritten
+            for parts in (got, want):
+                parts[0] = parts[0].view(-1, L)[parts[1] > float("-inf")]
+        for a, b in zip(got, want):
             assert torch.equal(a, b)
         for prog, row in enumerate(ts.tolist()):
             n = seq_lens[prog // ns]
