@@ -1,6 +1,7 @@
 """MLA ops: paged cache write, split-KV decode, ragged prefill and the dense drop-in, each against the plain
 torch reference (Triton through the interpreter on CPU, fp32), the reference against HF's expanded math,
 and the absorbed drop-in against tiny HF DeepseekV2/V3 models (prefill + decode with a DynamicCache)."""
+import math
 import os
 import subprocess
 import sys
@@ -107,6 +108,32 @@ def test_decode_strided_queries_and_op(monkeypatch):
     _triton_ops(monkeypatch)
     torch.testing.assert_close(mla_decode(q_lat, q_rope, cache, bt, sl, scale=SCALE, num_splits=2), want,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [3, 37])
+@pytest.mark.parametrize("tiles", [(1, 128), (4, 512)])
+def test_merge_kernel_skips_empty_splits(num_splits, tiles, monkeypatch):
+    """The split-KV merge alone, against logsumexp weights in torch: 300 columns (128-column programs, the last
+    ragged, or one 512-column program), 6 rows one or four per program (the last block ragged), 37 splits (three
+    blocks of 16: the online rescale across blocks), empty splits (lse -inf) whose unwritten partial rows hold NaN
+    and must not reach the output, and a row whose every split is empty (zeros). The lse are base 2, as the
+    attention kernels write them."""
+    _triton_ops(monkeypatch)
+    monkeypatch.setattr(kernels, "merge_tiles", lambda rows, block_s, L: tiles)
+    T, H, L = 2, 3, 300
+    lse = randn(T * H, num_splits) * 4
+    po = randn(T * H, num_splits, L)
+    dead = torch.rand(T * H, num_splits, device=DEV) < 0.4
+    dead[:, 0] = False
+    dead[1] = True
+    lse[dead] = float("-inf")
+    po[dead] = float("nan")
+    w = torch.softmax(lse * math.log(2), 1).nan_to_num(0.0)
+    want = (w[..., None] * po.nan_to_num(0.0)).sum(1).view(T, H, L)
+    out = torch.full((T, H, L), 7.0, device=DEV)
+    kernels.merge(po.flatten(), lse.flatten(), out, H=H, L=L, num_splits=num_splits, n_scr_tokens=T, t_out=1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert out.view(T * H, L)[1].eq(0).all()
 
 
 def test_choose_num_splits_is_shape_only():

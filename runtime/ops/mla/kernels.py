@@ -50,7 +50,9 @@ CONFIGS = {
     # prefill / dense (T > 1): BQ query tokens x BH heads = block_m rows per tile (wgmma M=64)
     "prefill": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
     "dense": dict(block_m=64, block_h=16, block_n=32, num_warps=8, num_stages=2),
-    "merge": dict(num_warps=4, block_s=16),  # block_s: partials per load ([16, 512] fp32 over 4 warps)
+    # block_s partials per load; merge_tiles sets the rows and columns per program (max_elems fp32 per load: 64 per
+    # thread over 4 warps)
+    "merge": dict(num_warps=4, block_s=16, max_programs=1024, few_rows=128, block_l=256, max_elems=8192),
     # the merge with W_UV (decode at up to uv_max_batch sequences): block_v output columns per program, so
     # B=1 at 16 heads runs 128 programs, each reading a [16, 512] tile of W_UV; above uv_max_batch each W_UV
     # tile would be reread per sequence: the batched matmul after the merge
@@ -288,44 +290,50 @@ def _mla_attn_kernel(
 
 
 @triton.jit
-def _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Row ``pid``'s output [BLOCK_L] fp32: sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), BLOCK_S splits per
-    load (one split at a time made 2 x NUM_SPLITS dependent round trips). Splits with lse = -inf (no keys) are
-    skipped without reading their (unwritten) partials."""
-    offs = tl.arange(0, BLOCK_L)
+def _merge_splits(PO, PLSE, r0, NROWS, L, NUM_SPLITS, c0, HB: tl.constexpr, BLOCK_L: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """Rows r0 .. r0 + HB (rows < NROWS), columns c0 .. c0 + BLOCK_L of the merged output, fp32 [HB, BLOCK_L]:
+    sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), an online merge over BLOCK_S splits at a time. A block's lse
+    and partials are loaded together (one round trip); a split with lse = -inf (no keys) has its partial row
+    unwritten, so what is loaded there is discarded, never multiplied."""
+    rows = r0 + tl.arange(0, HB)
+    offs = c0 + tl.arange(0, BLOCK_L)
     offs_s = tl.arange(0, BLOCK_S)
-    base = pid.to(tl.int64) * NUM_SPLITS
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    base = rows.to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]              # [HB, BLOCK_S]
+    m = tl.full([HB], float("-inf"), tl.float32)
+    acc = tl.zeros([HB, BLOCK_L], dtype=tl.float32)
+    den = tl.zeros([HB], dtype=tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse, 0))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
-    den = tl.sum(acc, 0)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        lse = tl.load(PLSE + base + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
-        w = tl.exp2(lse - m_use)
-        live = lse > float("-inf")
-        po = tl.load(PO + (base + s0 + offs_s)[:, None] * L + offs[None, :],
-                     mask=live[:, None] & (offs < L)[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * po, 0)
-        den += tl.sum(w, 0)
-    return acc / tl.where(den == 0.0, 1.0, den)
+        ok = (rows < NROWS)[:, None] & (s0 + offs_s < NUM_SPLITS)[None, :]
+        lse = tl.load(PLSE + base + s0, mask=ok, other=float("-inf"))
+        po = tl.load(PO + (base + s0)[:, :, None] * L + offs[None, None, :],
+                     mask=ok[:, :, None] & (offs < L)[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m - m_use)                   # 0 while m is -inf (acc and den are still 0 then)
+        w = tl.exp2(lse - m_use[:, None])
+        live = (lse > float("-inf"))[:, :, None]
+        acc = acc * rescale[:, None] + tl.sum(tl.where(live, w[:, :, None] * po, 0.0), 1)
+        den = den * rescale + tl.sum(w, 1)
+        m = m_new
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit
-def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, T_OUT, s_ob, s_ot, s_oh, BLOCK_L: tl.constexpr,
-                      BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per (token, head): the merged o_lat row."""
+def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, NROWS, T_OUT, s_ob, s_ot, s_oh, HB: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (HB rows of token x head, BLOCK_L columns): those rows' merged o_lat columns."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
-    n = pid // H
-    h = pid % H
-    offs = tl.arange(0, BLOCK_L)
-    o = _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L, BLOCK_S)
+    rows = tl.program_id(0) * HB + tl.arange(0, HB)
+    c0 = tl.program_id(1) * BLOCK_L
+    offs = c0 + tl.arange(0, BLOCK_L)
+    o = _merge_splits(PO, PLSE, tl.program_id(0) * HB, NROWS, L, NUM_SPLITS, c0, HB, BLOCK_L, BLOCK_S)
+    n = rows // H
+    h = (rows % H).to(tl.int64)
     b = (n // T_OUT).to(tl.int64)
     t = (n % T_OUT).to(tl.int64)
-    tl.store(O + b * s_ob + t * s_ot + h * s_oh + offs, o.to(O.dtype.element_ty), mask=offs < L)
+    tl.store(O + (b * s_ob + t * s_ot + h * s_oh)[:, None] + offs[None, :], o.to(O.dtype.element_ty),
+             mask=(rows < NROWS)[:, None] & (offs < L)[None, :])
 
 
 @triton.jit
@@ -343,7 +351,8 @@ def _mla_merge_uv_kernel(PO, PLSE, W, O, H, L, V, NUM_SPLITS, s_wh, s_wv, s_ob, 
     w = tl.load(W + h * s_wh + offs_v[:, None] * s_wv + offs[None, :],
                 mask=(offs_v < V)[:, None] & (offs < L)[None, :], other=0.0)
     pdl_start(PDL)
-    o = _merge_splits(PO, PLSE, pid, L, NUM_SPLITS, BLOCK_L, BLOCK_S).to(O.dtype.element_ty).to(tl.float32)
+    o = tl.reshape(_merge_splits(PO, PLSE, pid, pid + 1, L, NUM_SPLITS, 0, 1, BLOCK_L, BLOCK_S), [BLOCK_L])
+    o = o.to(O.dtype.element_ty).to(tl.float32)
     y = tl.sum(w.to(tl.float32) * o[None, :], 1)
     tl.store(O + n * s_ob + h * s_oh + offs_v, y.to(O.dtype.element_ty), mask=offs_v < V)
 
@@ -397,10 +406,26 @@ def merge(po, plse, out, *, H, L, num_splits, n_scr_tokens, t_out, mode=MODE_DEC
             po, plse, w_uv, out, H, L, V, num_splits, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
             BLOCK_L=_pow2(L), BLOCK_S=block_s, BV=bv, num_warps=CONFIGS["merge_uv"]["num_warps"], **pdl_opts(out))
     else:
-        wrap_triton(_mla_merge_kernel)[(n_scr_tokens * H,)](
-            po, plse, out, H, L, num_splits, t_out, *_out_strides(out, mode),
-            BLOCK_L=_pow2(L), BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"], **pdl_opts(out),
+        rows = n_scr_tokens * H
+        hb, block_l = merge_tiles(rows, block_s, L)
+        wrap_triton(_mla_merge_kernel)[(triton.cdiv(rows, hb), triton.cdiv(L, block_l))](
+            po, plse, out, H, L, num_splits, rows, t_out, *_out_strides(out, mode),
+            HB=hb, BLOCK_L=block_l, BLOCK_S=block_s, num_warps=CONFIGS["merge"]["num_warps"], **pdl_opts(out),
         )
+
+
+def merge_tiles(rows, block_s: int, L: int) -> tuple[int, int]:
+    """(rows, columns) of the merged output per merge program. What counts is the program count (H200 sweep,
+    bench/results/2026-12-01_mla_merge_h200.md): 2,000+ small programs ran 10-15% slower (4,096: up to 16% at 128
+    heads), so rows are grouped until at most ``max_programs``; under ``few_rows`` rows, half rows (twice the
+    programs)."""
+    c = CONFIGS["merge"]
+    rows = size_hint(rows)
+    block_l = min(_pow2(L), c["block_l"] if rows < c["few_rows"] else 1 << 30)
+    hb = 1
+    while triton.cdiv(rows, hb) > c["max_programs"] and 2 * hb * block_s * block_l <= c["max_elems"]:
+        hb *= 2
+    return hb, block_l
 
 
 def _window_pages(page: int, block_n: int) -> int:
