@@ -324,10 +324,11 @@ def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, NROWS, T_OUT, s_ob, s_ot, s
                       BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Program (HB rows of token x head, BLOCK_L columns): those rows' merged o_lat columns."""
     pdl_start(PDL)
-    rows = tl.program_id(0) * HB + tl.arange(0, HB)
+    r0 = tl.program_id(0) * HB
+    rows = r0 + tl.arange(0, HB)
     c0 = tl.program_id(1) * BLOCK_L
     offs = c0 + tl.arange(0, BLOCK_L)
-    o = _merge_splits(PO, PLSE, tl.program_id(0) * HB, NROWS, L, NUM_SPLITS, c0, HB, BLOCK_L, BLOCK_S)
+    o = _merge_splits(PO, PLSE, r0, NROWS, L, NUM_SPLITS, c0, HB, BLOCK_L, BLOCK_S)
     n = rows // H
     h = (rows % H).to(tl.int64)
     b = (n // T_OUT).to(tl.int64)
