@@ -109,12 +109,14 @@ if HAVE_GLUON:
     _CHUNK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
     @gluon.jit
-    def _key_blocks(BT, kb, start, k_hi, PAGE: gl.constexpr, BN: gl.constexpr):
+    def _key_blocks(BT, kb, start, bt_keys, PAGE: gl.constexpr, BN: gl.constexpr):
         """Where the keys start .. start + BN sit: paged (PAGE > 0), key k in block BT[kb + k // PAGE] ([BN] block
-        ids, a plain load: it stalls only where used); dense (PAGE == 0), all in batch row kb."""
+        ids, a plain load: it stalls only where used; ids past the sequence are loaded too, but never copied from);
+        dense (PAGE == 0), all in batch row kb. bt_keys: the keys a block-table row addresses (its width x PAGE), the
+        load's bound, so that it need not wait for the sequence's length."""
         if PAGE > 0:
             keys = start + gl.arange(0, BN, layout=gl.SliceLayout(1, _CHUNK))
-            return gl.load(BT + kb + keys // PAGE, mask=keys < k_hi, other=0).to(gl.int64)
+            return gl.load(BT + kb + keys // PAGE, mask=keys < bt_keys, other=0).to(gl.int64)
         else:
             return kb
 
@@ -141,26 +143,21 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst, C0: gl.constexpr,
-                   NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
+    def _load_keys(LATP, ROPEP, BT, kb, start, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, lat_dst, rope_dst,
+                   C0: gl.constexpr, NC: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, LAT: gl.constexpr,
                    BN: gl.constexpr):
         """_copy_keys of the tile's columns, its block ids loaded here (paged: in batch-row kb of the table BT)."""
-        _copy_keys(LATP, ROPEP, _key_blocks(BT, kb, start, k_hi, PAGE, BN), start, k_hi, s_lb, s_ls, s_rb, s_rs,
+        _copy_keys(LATP, ROPEP, _key_blocks(BT, kb, start, bt_keys, PAGE, BN), start, k_hi, s_lb, s_ls, s_rb, s_rs,
                    lat_dst, rope_dst, C0, NC, WITH_ROPE, PAGE, LAT, BN)
 
     @gluon.jit
-    def _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE: gl.constexpr, BN: gl.constexpr):
-        """Sequence b64's keys for split pid_split: (kb, k_lo, k_hi), kb its block-table row offset (paged) or batch
-        row (dense, every sequence S_DENSE keys), [k_lo, k_hi) whole BN-key tiles dealt out evenly (the last ragged)."""
+    def _sequence(SEQ, S_DENSE, b64, s_bt, PAGE: gl.constexpr):
+        """Sequence b64: (kb, its length). kb: its block-table row offset (paged) or batch row (dense, every sequence
+        S_DENSE keys)."""
         if PAGE > 0:
-            seq_len = gl.load(SEQ + b64)
-            kb = b64 * s_bt
+            return b64 * s_bt, gl.load(SEQ + b64)
         else:
-            seq_len = S_DENSE
-            kb = b64
-        per_split = gl.cdiv(gl.cdiv(seq_len, BN), NUM_SPLITS)
-        k_lo = pid_split * per_split * BN
-        return kb, k_lo, gl.minimum((pid_split + 1) * per_split * BN, seq_len)
+            return b64, S_DENSE
 
     @gluon.jit
     def _scores(q_lat_s, q_rope_s, lat, rope, s, C0: gl.constexpr, NC: gl.constexpr, WITH_ROPE: gl.constexpr,
@@ -218,7 +215,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _even_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0, pid_split,
-                    k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+                    k_lo, k_hi, bt_keys, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
                     PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr,
                     BN: gl.constexpr):
         """Warpgroup 0: scores of the even tiles (K0), output columns 0..255."""
@@ -231,15 +228,18 @@ if HAVE_GLUON:
         p0_s = rope_s.index(0)   # K0's rope columns are dead once its scores are in: P0 goes there
         k1 = lat_s.index(1)
         p1_s = rope_s.index(1)
+        step = 2 * BN * NUM_SPLITS    # from one of the split's pairs to its next
         # tile 0: latent columns 0..255 (PV0L frees them first) then the rest
-        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 0, 4, False, PAGE, LAT, BN)
-        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 4, 4, True, PAGE, LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 0, 4, False, PAGE, LAT,
+                   BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k0, p0_s, 4, 4, True, PAGE, LAT,
+                   BN)
         m_i = gl.full([BH], -1.0e30, gl.float32, layout=row_layout)
         l_i = gl.zeros([BH], gl.float32, layout=row_layout)
         acc = gl.zeros([BH, LAT // 2], gl.float32, layout=o_layout)
         for j in range(n_pairs):
             ph = j & 1
-            start = k_lo + 2 * j * BN
+            start = k_lo + j * step
             s = gl.zeros([BH, BN], gl.float32, layout=s_layout)
             s = _scores(q_lat_s, q_rope_s, k0, p0_s, s, 0, 4, False, 1, True)
             s = _scores(q_lat_s, q_rope_s, k0, p0_s, s, 4, 4, True, 0, False)
@@ -264,13 +264,13 @@ if HAVE_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(scale1, gl.SliceLayout(1, o_layout)), 1)
             more = j + 1 < n_pairs
             if more:                                         # K0's columns 0..255 are free: the next even tile's
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
+                _load_keys(LATP, ROPEP, BT, kb, start + step, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
                            0, 4, False, PAGE, LAT, BN)
             mbarrier.wait(bars.index(_P1), ph)                   # P1 from warpgroup 1
             acc = warpgroup_mma(p1_s, k1.slice(0, LAT // 2, dim=1), acc, is_async=True)
             if more:                                         # warpgroup 1 is done with K0 and P0: the rest
                 mbarrier.wait(bars.index(_K0_FREE), ph)
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
+                _load_keys(LATP, ROPEP, BT, kb, start + step, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k0, p0_s,
                            4, 4, True, PAGE, LAT, BN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _signal(bars.index(_K1_FREE))                        # K1's columns 0..255 and P1 are free
@@ -280,7 +280,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _odd_tiles(q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0, pid_split,
-                   k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
+                   k_lo, k_hi, bt_keys, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS, sm_scale_log2,
                    PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr, BH: gl.constexpr,
                    BN: gl.constexpr):
         """Warpgroup 1: scores of the odd tiles (K1), output columns 256..511."""
@@ -293,15 +293,18 @@ if HAVE_GLUON:
         p0_s = rope_s.index(0)
         k1 = lat_s.index(1)
         p1_s = rope_s.index(1)
+        step = 2 * BN * NUM_SPLITS
         # tile 1: latent columns 256..511 (PV1R frees them first) then the rest
-        _load_keys(LATP, ROPEP, BT, kb, k_lo + BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 4, 4, False, PAGE, LAT, BN)
-        _load_keys(LATP, ROPEP, BT, kb, k_lo + BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 0, 4, True, PAGE, LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo + BN, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 4, 4, False, PAGE,
+                   LAT, BN)
+        _load_keys(LATP, ROPEP, BT, kb, k_lo + BN, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k1, p1_s, 0, 4, True, PAGE,
+                   LAT, BN)
         m_i = gl.full([BH], -1.0e30, gl.float32, layout=row_layout)
         l_i = gl.zeros([BH], gl.float32, layout=row_layout)
         acc = gl.zeros([BH, LAT // 2], gl.float32, layout=o_layout)
         for j in range(n_pairs):
             ph = j & 1
-            start = k_lo + (2 * j + 1) * BN
+            start = k_lo + j * step + BN
             s = gl.zeros([BH, BN], gl.float32, layout=s_layout)
             s = _scores(q_lat_s, q_rope_s, k1, p1_s, s, 4, 4, False, 1, True)
             s = _scores(q_lat_s, q_rope_s, k1, p1_s, s, 0, 4, True, 0, False)
@@ -326,10 +329,10 @@ if HAVE_GLUON:
             _signal(bars.index(_K0_FREE))                        # K0's columns 256..511 and P0 are free
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if j + 1 < n_pairs:                              # K1's columns 256..511 are free: the next odd tile's
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
+                _load_keys(LATP, ROPEP, BT, kb, start + step, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
                            4, 4, False, PAGE, LAT, BN)
                 mbarrier.wait(bars.index(_K1_FREE), ph)          # warpgroup 0 is done with K1 and P1: the rest
-                _load_keys(LATP, ROPEP, BT, kb, start + 2 * BN, k_hi, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
+                _load_keys(LATP, ROPEP, BT, kb, start + step, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, k1, p1_s,
                            0, 4, True, PAGE, LAT, BN)
             m_i = m1
         _finish(acc, m_i, l_i, l_s, bars, 1, LAT // 2, PO, PLSE, O, b64, h0, pid_split, s_ob, s_oh, H,
@@ -337,7 +340,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_decode_wg_kernel(QL, QR, LATP, ROPEP, BT, SEQ, PO, PLSE, O,
-                              s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, s_ob, s_oh,
+                              s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, N_BT, s_ob, s_oh,
                               H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                               PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
                               BH: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
@@ -353,8 +356,13 @@ if HAVE_GLUON:
         smem_rope: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-        kb, k_lo, k_hi = _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE, BN)
-        n_pairs = gl.cdiv(gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN), 2)
+        # pairs of key tiles dealt round-robin: split s takes pairs s, s + NUM_SPLITS, ... Its first pair's block ids
+        # need not wait for the length. (Contiguous runs of pairs, as until 2026-12-01, ran 4-7% slower, also at one
+        # split, where the order is the same: bench/results/2026-12-01_mla_split_start_h200.md.)
+        kb, k_hi = _sequence(SEQ, S_DENSE, b64, s_bt, PAGE)
+        n_pairs = gl.cdiv(gl.maximum(gl.cdiv(k_hi, 2 * BN) - pid_split, 0), NUM_SPLITS)
+        k_lo = pid_split * 2 * BN
+        bt_keys = N_BT * PAGE
 
         q_lat_s = gl.allocate_shared_memory(dtype, [BH, LAT], smem_lat)
         q_rope_s = gl.allocate_shared_memory(dtype, [BH, ROPE], smem_rope)
@@ -379,16 +387,16 @@ if HAVE_GLUON:
         _cta_barrier()
 
         # warpgroup 1's code is the default partition (it also ran the prologue above); warpgroup 0's, which keeps P0
-        # in registers across the max exchange, is the worker with all 256 registers (no spills on Triton 3.9, about
-        # 100 B of hoisted addresses on 3.6; the other way round spills more). The argument tuples are written out in
+        # in registers across the max exchange, is the worker with all 256 registers (8-16 B of spills on Triton 3.9,
+        # 20-36 B of hoisted addresses on 3.6; the other way round spills more). The argument tuples are written out in
         # the call: a tuple bound to a name first turns its constexprs into tensors (Triton 3.9).
         gl.warp_specialize([
             (_odd_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0,
-                       pid_split, k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
+                       pid_split, k_lo, k_hi, bt_keys, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
                        sm_scale_log2,
                        PAGE, LAT, ROPE, DIRECT, BH, BN)),
             (_even_tiles, (q_lat_s, q_rope_s, lat_s, rope_s, m_s, l_s, bars, LATP, ROPEP, BT, PO, PLSE, O, b64, h0,
-                       pid_split, k_lo, k_hi, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
+                       pid_split, k_lo, k_hi, bt_keys, n_pairs, s_lb, s_ls, s_rb, s_rs, kb, s_ob, s_oh, H, NUM_SPLITS,
                        sm_scale_log2,
                        PAGE, LAT, ROPE, DIRECT, BH, BN))], [4], [256])
 
@@ -416,8 +424,8 @@ def _launch(q_lat, q_rope, lat, rope, page: int, block_table, seq_lens, scale: f
         block_table = seq_lens = torch.empty((1,), device=q_lat.device, dtype=torch.int32)
     args = (q_lat, q_rope, lat, rope, block_table, seq_lens, po, plse, out,
             q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), lat.stride(0), lat.stride(1),
-            rope.stride(0), rope.stride(1), block_table.stride(0), out.stride(0), out.stride(1), H, num_splits,
-            lat.shape[1], scale * 1.4426950408889634)
+            rope.stride(0), rope.stride(1), block_table.stride(0), block_table.shape[-1], out.stride(0), out.stride(1),
+            H, num_splits, lat.shape[1], scale * 1.4426950408889634)
     if knobs and H > NARROW_MAX_HEADS:
         raise ValueError(f"launch knobs {sorted(knobs)} are hopper_narrow's (up to {NARROW_MAX_HEADS} heads), not {H}")
     if H <= NARROW_MAX_HEADS:

@@ -25,7 +25,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .hopper import _copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start, _split_keys
+    from .hopper import (_copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start,
+                          _sequence)
 
     @gluon.jit
     def _note(TS, prog, i: gl.constexpr, value, when=True):
@@ -49,16 +50,34 @@ if HAVE_GLUON:
                                                          is_pure=False, pack=1))
 
     @gluon.jit
+    def _split_tiles(seq_len, pid_split, NUM_SPLITS, BN: gl.constexpr):
+        """Split pid_split's share of a sequence's BN-key tiles: (n, k_rest). The first NUM_SPLITS tiles are dealt one
+        per split, so where a split's first tile sits (key pid_split BN) is known before the length is and its block
+        ids load alongside the length, not after it; the other tiles go in runs, one per split, from key k_rest on
+        (_tile_start). The splits' counts differ by at most one. (Every tile dealt round-robin ran 16 splits 1-3%
+        slower; contiguous runs from the start, as until 2026-12-01, wait for the length before the block ids:
+        bench/results/2026-12-01_mla_split_start_h200.md.)"""
+        rest = gl.maximum(gl.cdiv(seq_len, BN) - NUM_SPLITS, 0)      # tiles after the first round
+        per = gl.cdiv(rest, NUM_SPLITS)
+        n_rest = gl.maximum(gl.minimum(per, rest - pid_split * per), 0)
+        return gl.where(pid_split * BN < seq_len, 1 + n_rest, 0), (NUM_SPLITS + pid_split * per) * BN
+
+    @gluon.jit
+    def _tile_start(j, pid_split, k_rest, BN: gl.constexpr):
+        """The first key of a split's j-th tile (_split_tiles' order)."""
+        return gl.where(j == 0, pid_split * BN, k_rest + (j - 1) * BN)
+
+    @gluon.jit
     def _mla_decode_narrow_kernel(QL, QR, LATP, ROPEP, BT, SEQ, PO, PLSE, O,
-                                  s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, s_ob, s_oh,
+                                  s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_ls, s_rb, s_rs, s_bt, N_BT, s_ob, s_oh,
                                   H, NUM_SPLITS, S_DENSE, sm_scale_log2,
                                   PAGE: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, DIRECT: gl.constexpr,
                                   HN: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
                                   PDL: gl.constexpr = False, TS=None):
-        """Program (sequence, split). Keys from pages (PAGE > 0: block table BT, lengths SEQ) or from HF's dense
-        latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long). TS is bench/mla_probe.py's: given, it
-        takes a timeline of each program ([programs, 8] int64: global timer at its start, lengths known, first tile
-        landed, loop done, end; its SM and tile count)."""
+        """Program (sequence, split). Keys from pages (PAGE > 0: block table BT of N_BT columns, lengths SEQ) or
+        from HF's dense latent / rope tensors (PAGE == 0: every sequence S_DENSE keys long). TS is
+        bench/mla_probe.py's: given, it takes a timeline of each program ([programs, 8] int64: global timer at its
+        start, length known (first tile's copies issued), first tile landed, loop done, end; its SM and tile count)."""
         _pdl_start(PDL)
         b = gl.program_id(0)
         pid_split = gl.program_id(1)
@@ -75,9 +94,9 @@ if HAVE_GLUON:
         smem_qr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, ROPE], dtype)
         smem_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HN], dtype)
 
-        kb, k_lo, k_hi = _split_keys(SEQ, S_DENSE, b64, s_bt, pid_split, NUM_SPLITS, PAGE, BN)
-        n_tiles = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN)
-        _stamp(TS, prog, 1, k_hi)
+        kb, k_hi = _sequence(SEQ, S_DENSE, b64, s_bt, PAGE)
+        n_tiles, k_rest = _split_tiles(k_hi, pid_split, NUM_SPLITS, BN)
+        bt_keys = N_BT * PAGE
 
         q_lat_s = gl.allocate_shared_memory(dtype, [HN, LAT], smem_q)
         q_rope_s = gl.allocate_shared_memory(dtype, [HN, ROPE], smem_qr)
@@ -95,21 +114,23 @@ if HAVE_GLUON:
             _cp_async(q_lat_s.slice(c * 64, 64, dim=1), QL + b64 * s_qlb + heads * s_qlh + (cols + c * 64), mask=h_ok)
         _cp_async(q_rope_s, QR + b64 * s_qrb + heads * s_qrh + cols, mask=h_ok)
         async_copy.commit_group()
-        _load_keys(LATP, ROPEP, BT, kb, k_lo, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index(0), rope_s.index(0),
-                   0, LAT // 64, True, PAGE, LAT, BN)
-        blk_next = _key_blocks(BT, kb, k_lo + BN, k_hi, PAGE, BN)   # block ids one tile ahead of their copies
+        _load_keys(LATP, ROPEP, BT, kb, pid_split * BN, k_hi, bt_keys, s_lb, s_ls, s_rb, s_rs, lat_s.index(0),
+                   rope_s.index(0), 0, LAT // 64, True, PAGE, LAT, BN)
+        _stamp(TS, prog, 1, k_hi)
+        blk_next = _key_blocks(BT, kb, k_rest, bt_keys, PAGE, BN)   # block ids one tile ahead of their copies
         m_i = gl.full([HN], -1.0e30, gl.float32, layout=heads_l)
         l_i = gl.zeros([HN], gl.float32, layout=heads_l)
         acc = gl.zeros([LAT, HN], gl.float32, layout=t_layout)
         for j in range(n_tiles):
-            start = k_lo + j * BN
+            start = _tile_start(j, pid_split, k_rest, BN)
             lat = lat_s.index(j % 2)
             rope = rope_s.index(j % 2)
-            # the next tile into the other buffer (free: its P . V was waited for), the block ids of the one after
-            # (their load latency hides behind this tile's dots), then wait for this tile
-            _copy_keys(LATP, ROPEP, blk_next, start + BN, k_hi, s_lb, s_ls, s_rb, s_rs, lat_s.index((j + 1) % 2),
-                       rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN)
-            blk_next = _key_blocks(BT, kb, start + 2 * BN, k_hi, PAGE, BN)
+            # the next tile into the other buffer (free: its P . V was waited for; after the split's last tile,
+            # nothing), the block ids of the one after (their load latency hides behind this tile's dots), then wait
+            # for this tile
+            _copy_keys(LATP, ROPEP, blk_next, k_rest + j * BN, gl.where(j + 1 < n_tiles, k_hi, 0), s_lb, s_ls, s_rb,
+                       s_rs, lat_s.index((j + 1) % 2), rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN)
+            blk_next = _key_blocks(BT, kb, k_rest + (j + 1) * BN, bt_keys, PAGE, BN)
             async_copy.wait_group(1)
             fence_async_shared()
             _cta_barrier()
