@@ -5,8 +5,8 @@ For each shape (B sequences x S cached keys, DeepSeek-V2-Lite attention, shuffle
     one plain read of the cache and to the same launch with every length 0 (launch, queries, epilogue, merge: the
     part that does not scale with the keys);
   - a timeline from the kernel's own global-timer stamps (TS), medians over 20 flushed launches: how far apart the
-    programs start, the time to the sequence length and to the first key tile, the steady per-tile time, the
-    epilogue, and when the first and the last program end (all from the first program's start). The global timer
+    programs start, the time to the first tile's copies (issued once the length is known; "lengths") and to that
+    tile landing, the steady per-tile time, the epilogue, and when the first and the last program end (all from the first program's start). The global timer
     may tick as coarsely as 1 us on some GPUs: the figures are medians over programs and launches, and the per-tile
     time spans a whole loop.
 Usage (GPU): python3 bench/mla_probe.py [--shapes 1024x64,4096x32] [--out probe.json]

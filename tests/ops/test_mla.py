@@ -605,8 +605,8 @@ def test_warpgroup_kernel_compiles_for_sm90_offline():
 
 
 def test_probe_timeline_reads_the_stamps():
-    """bench/mla_probe.py's reading of the narrow kernel's stamps (ns per program: start, lengths known, first tile,
-    loop end, end, SM, tiles), on a made-up launch of three programs, one without keys."""
+    """bench/mla_probe.py's reading of the narrow kernel's stamps (ns per program: start, first copies issued, first
+    tile, loop end, end, SM, tiles), on a made-up launch of three programs, one without keys."""
     sys.path.insert(0, str(REPO))
     from bench.mla_probe import timeline
     us = 1000
