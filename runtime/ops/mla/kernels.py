@@ -530,7 +530,7 @@ def mla_attention_dense_triton(q_lat, q_rope, latent, k_rope, attn_mask, is_caus
     -> o_lat [B, H, T, L] (q dtype). One unmasked query per sequence on Hopper at DeepSeek widths takes a Gluon
     kernel (hopper.mla_decode_wg_dense)."""
     B, H, T, L = q_lat.shape
-    S, R = latent.shape[1], k_rope.shape[-1]
+    S = latent.shape[1]
     cfg = {**CONFIGS["dense"], **(config or {})}
     if T == 1:
         cfg = {**decode_config(H), "block_m": 16, **(config or {})}
