@@ -25,8 +25,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .hopper import (_copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start,
-                          _sequence)
+    from .hopper import _copy_keys, _cp_async, _cta_barrier, _key_blocks, _load_keys, _pdl_start, _sequence
 
     @gluon.jit
     def _note(TS, prog, i: gl.constexpr, value, when=True):
@@ -127,7 +126,7 @@ if HAVE_GLUON:
             rope = rope_s.index(j % 2)
             # the next tile into the other buffer (free: its P . V was waited for; after the split's last tile,
             # nothing), the block ids of the one after (their load latency hides behind this tile's dots), then wait
-            # for this tile
+            # for this tile. (k_rest + j BN is _tile_start(j + 1), written out: j + 1 > 0.)
             _copy_keys(LATP, ROPEP, blk_next, k_rest + j * BN, gl.where(j + 1 < n_tiles, k_hi, 0), s_lb, s_ls, s_rb,
                        s_rs, lat_s.index((j + 1) % 2), rope_s.index((j + 1) % 2), 0, LAT // 64, True, PAGE, LAT, BN)
             blk_next = _key_blocks(BT, kb, k_rest + (j + 1) * BN, bt_keys, PAGE, BN)
