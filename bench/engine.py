@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import HBM_BPS, log, write  # noqa: E402
-from compiler import zoo  # noqa: E402
-from compiler.hf import quiet_transformers  # noqa: E402
+from runtime import zoo  # noqa: E402
+from runtime.hf import quiet_transformers  # noqa: E402
 from runtime.engine import Engine, SamplingParams  # noqa: E402
 
 MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]

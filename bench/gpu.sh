@@ -13,7 +13,7 @@ for spec in "$@"; do
   name=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=300
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$LOG"
   case $name in
-    opstest) cmd="python3 -m pytest tests/ops -q -x -p no:cacheprovider ${PYTEST_K:+-k $PYTEST_K}" ;;
+    opstest) cmd="python3 -m pytest tests/kernels -q -x -p no:cacheprovider ${PYTEST_K:+-k $PYTEST_K}" ;;
     models)  cmd="python3 bench/models.py --out $OUT/models.json ${MODELS_ARGS:-}" ;;
     *)       cmd="python3 bench/$name.py --out $OUT/$name.json ${BENCH_ARGS:-}" ;;
   esac

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import log  # noqa: E402
-from compiler import zoo  # noqa: E402
+from runtime import zoo  # noqa: E402
 from runtime.engine import Engine, SamplingParams  # noqa: E402
 
 

@@ -40,8 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from runtime.ops.mla import hopper, kernels, reference as ref  # noqa: E402
-from runtime.ops.mla.cache import _mla_cache_write_kernel  # noqa: E402
+from kernels.library import GLUON  # noqa: E402
+from kernels.mla import gluon, gluon_common, gluon_narrow, gluon_wide, ops, triton_cache, triton_step  # noqa: E402
+from kernels.mla import reference as ref  # noqa: E402
+from kernels.mla import triton_attention as kernels  # noqa: E402
+from kernels.mla.triton_cache import _mla_cache_write_kernel  # noqa: E402
 
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
 FULL = dict(L=512, R=64, P=128, V=128, block=64, heads=[16, 128], batches=[1, 8, 32, 64, 128],
@@ -208,16 +211,17 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
                                        bt.shape[1] * sh["block"], config["block_n"], config.get("per_sm", 1))
     row["num_splits"] = splits
 
-    # On Hopper at DeepSeek widths what ships is a Gluon kernel (hopper.py: 64+ heads, hopper_narrow.py: up to 32),
-    # chosen when no config is forced; the Triton kernel with the regime's config is then timed too, as the baseline
-    # of the same run
-    wg = hopper.supported(q_lat, q_rope, cache)
-    row["kernel"] = ("gluon-narrow" if H <= hopper.NARROW_MAX_HEADS else "gluon-wg") if wg else "triton"
+    # On Hopper at DeepSeek widths what ships is a Gluon kernel (gluon_wide.py: 64+ heads, gluon_narrow.py: up to
+    # 32); the Triton kernel with the regime's config is then timed too, as the baseline of the same run
+    wg = ops.implementation(q_lat, q_rope, cache) == GLUON
+    row["kernel"] = ("gluon-narrow" if H <= gluon_common.NARROW_MAX_HEADS else "gluon-wg") if wg else "triton"
     if wg:  # its split count is its own, whatever the tune picked for the Triton kernel
-        row["num_splits"] = hopper.split_count(B, H, bt.shape[1] * sh["block"])
+        row["num_splits"] = gluon.split_count(B, H, bt.shape[1] * sh["block"])
 
     def ours():
-        return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0, config=None if wg else config)
+        if wg:
+            return ops.decode(q_lat, q_rope, cache, bt, seq, scale, 0)
+        return kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 0, config=config)
 
     o_lat = ours()
     nb = min(B, 2)                                                                # fp32 reference on a sub-batch
@@ -250,8 +254,7 @@ def decode_row(H, S, B, sh, dev, dtype, args, config) -> dict:
         d_lat, d_rope = (latent, k_rope) if latent is not None else dense_from_paged(cache, bt, S, sh)
 
         def dense():
-            return kernels.mla_attention_dense_triton(q_lat[:, :, None], q_rope[:, :, None], d_lat, d_rope, None,
-                                                      False, scale)[:, :, 0]
+            return ops.mla_attention_dense(q_lat[:, :, None], q_rope[:, :, None], d_lat, d_rope, scale=scale)[:, :, 0]
 
         row["err_dense_vs_paged"] = err(dense(), o_lat)
         if row["err_dense_vs_paged"] > args.tol:
@@ -339,7 +342,7 @@ def prefill_row(H, T, sh, dev, dtype, args) -> dict:
     k_rope = torch.randn(1, T, R, device=dev, generator=g).to(dtype)
     pos = torch.arange(T, device=dev)
     slots = bt[0, pos // sh["block"]].long() * sh["block"] + pos % sh["block"]
-    kernels.mla_cache_write_triton(cache, latent[0], k_rope[0], slots)            # fill through our write op
+    triton_cache.mla_cache_write_triton(cache, latent[0], k_rope[0], slots)            # fill through our write op
     w_kvb = (torch.randn(H * (P + V), L, device=dev, generator=g) * L ** -0.5).to(dtype)
     w_uk, w_uv = ref.split_kv_b(w_kvb, H, P, V)
     q_nope = torch.randn(T, H, P, device=dev, generator=g).to(dtype)
@@ -452,7 +455,7 @@ def compile_check() -> None:
                 log(f"{regime} H={H} bh={bh} bn={bn} warps={w} stages={st}: {one(H, 0, 1, bh, bn, w, st, False, True)}")
             except Exception as exc:  # noqa: BLE001
                 log(f"{regime} bh={bh} bn={bn} warps={w} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
-    if hopper.HAVE_GLUON:
+    if gluon_common.HAVE_GLUON:
         for heads in (128, 16, 32):
             for page, direct in ((64, False), (64, True), (16, False), (0, False)):  # page 0: HF's dense cache
                 log(f"gluon decode H={heads} page={page} direct={direct}: "
@@ -468,7 +471,7 @@ def compile_check() -> None:
         k = triton.compile(ASTSource(kern, sig, cx), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=cfg["num_warps"]))
         log(f"{kern.fn.__name__} {cfg}: {ptxas_info(ptxas, k)}")
-    from runtime.ops.mla import step
+    step = triton_step
     kern = step._mla_step_prep_kernel
     for block_b in (16, step.CONFIG["max_block_b"]):
         ptrs = dict(QN="*bf16", W="*bf16", QL="*bf16", KV="*bf16", NW="*bf16", KR="*bf16", SLOTS="*i64", CACHE="*bf16")
@@ -485,27 +488,25 @@ def bundled_ptxas():
     return next((p for p in (d / "ptxas-blackwell", d / "ptxas") if p.exists()), None)
 
 
-def compile_wg(page: int, direct: bool, heads: int = 128, stamps: bool = False):
-    """A Gluon decode kernel compiled for sm_90 on any machine (no GPU): hopper.py's at 64+ heads, hopper_narrow.py's
-    at up to 32 (heads padded to 16 or 32; stamps: with bench/mla_probe.py's timeline). The interpreter cannot run Gluon, so
-    this is what CPU CI can check of them. Strides are taken as multiples of 16, as at DeepSeek widths."""
+def compile_wg(page: int, direct: bool, heads: int = 128):
+    """A Gluon decode kernel compiled for sm_90 on any machine (no GPU): gluon_wide.py's at 64+ heads, gluon_narrow.py's
+    at up to 32 (heads padded to 16 or 32). The interpreter cannot run Gluon, so this is what CPU CI can check of them.
+    Strides are taken as multiples of 16, as at DeepSeek widths."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from runtime.ops.mla import hopper_narrow
+    c = gluon_common
     ptrs = dict(QL="*bf16", QR="*bf16", LATP="*bf16", ROPEP="*bf16", BT="*i32", SEQ="*i32", PO="*fp32", PLSE="*fp32",
-                O="*bf16", TS="*i64")
-    cx = dict(PAGE=page, LAT=hopper.LAT, ROPE=hopper.ROPE, DIRECT=direct, BN=hopper.BN, num_warps=4)
-    if heads <= hopper.NARROW_MAX_HEADS:
-        k, cx = hopper_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32}
-        if not stamps:
-            cx["TS"] = None
+                O="*bf16")
+    cx = dict(PAGE=page, LAT=c.LAT, ROPE=c.ROPE, DIRECT=direct, BN=c.BN, num_warps=4)
+    if heads <= c.NARROW_MAX_HEADS:
+        k, cx = gluon_narrow._mla_decode_narrow_kernel, {**cx, "HN": 16 if heads <= 16 else 32}
     else:
-        k, cx = hopper._mla_decode_wg_kernel, {**cx, "BH": hopper.BH}
+        k, cx = gluon_wide._mla_decode_wg_kernel, {**cx, "BH": c.WIDE_HEADS}
     sig = {n: "constexpr" if n in cx else ptrs.get(n, "fp32" if n == "sm_scale_log2" else "i32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
              if n not in cx and n not in ("H", "NUM_SPLITS", "S_DENSE", "sm_scale_log2")}
     return triton.compile(GluonASTSource(k, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))  # hopper.py's: the default partition's; the worker adds 4 more
+                          options=dict(num_warps=4))  # gluon_wide's: the default partition's; the worker adds 4 more
 
 
 def ptxas_info(ptxas, k) -> str:
@@ -577,17 +578,17 @@ def split_sweep(args) -> None:
         q_lat = torch.randn(B, H, L, device=dev, generator=g).to(dtype)
         q_rope = torch.randn(B, H, R, device=dev, generator=g).to(dtype)
         scale = (P + R) ** -0.5
-        if hopper.supported(q_lat, q_rope, cache):
-            auto = hopper.split_count(B, H, bt.shape[1] * sh["block"])
+        if ops.implementation(q_lat, q_rope, cache) == GLUON:
+            auto = gluon.split_count(B, H, bt.shape[1] * sh["block"])
         else:
             auto = kernels.choose_num_splits(B, bt.shape[1] * sh["block"], cfg["block_n"], cfg.get("per_sm", 1))
-        want = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, 1)
+        want = ops.decode(q_lat, q_rope, cache, bt, seq, scale, 1)
         times = {}
         s = 1
         while s <= min(128, S // cfg["block_n"]):
-            got = kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, s)
+            got = ops.decode(q_lat, q_rope, cache, bt, seq, scale, s)
             assert err(got, want) < args.tol, (B, S, s, err(got, want))
-            times[s] = time_ms(lambda: kernels.mla_decode_triton(q_lat, q_rope, cache, bt, seq, scale, s))[0]
+            times[s] = time_ms(lambda: ops.decode(q_lat, q_rope, cache, bt, seq, scale, s))[0]
             s *= 2
         best = min(times, key=times.get)
         rows.append(dict(B=B, S=S, auto=auto, times_us={k: round(v * 1e3, 2) for k, v in times.items()}, best=best))
@@ -645,7 +646,7 @@ def main() -> None:
         for r in sorted(tune_rows[regime], key=lambda r: r["ms"])[:12]:
             log(f"    {r['cfg']} splits {r['splits']}: {r['ms']:.4f} ms "
                 f"({' + '.join(f'{t:.4f}' for t in r['per_shape_ms'])})")
-        log(f"  -> best {regime}: {tuned[regime]} (paste into runtime/ops/mla/kernels.py CONFIGS if it differs)")
+        log(f"  -> best {regime}: {tuned[regime]} (paste into kernels/mla/triton_attention.py CONFIGS if it differs)")
     rows = []
     for H in heads:
         regime = "decode_small_h" if H <= 32 else "decode_large_h"

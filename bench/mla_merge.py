@@ -20,7 +20,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mla import make_paged, time_ms  # noqa: E402
-from runtime.ops.mla import hopper, kernels  # noqa: E402
+from kernels.mla import gluon  # noqa: E402
+from kernels.mla import gluon_common as widths  # noqa: E402
+from kernels.mla import triton_attention as kernels  # noqa: E402
 
 SHAPES = ((16, 1024, 64), (16, 4096, 32), (16, 16384, 8), (16, 1024, 1), (16, 16384, 1), (16, 4096, 8),
           (128, 4096, 32), (128, 1024, 8), (128, 16384, 1))       # (heads, S, B)
@@ -29,18 +31,18 @@ TILES = [(hb, bl) for hb in (1, 2, 4, 8, 16) for bl in (128, 256, 512)]
 
 def row(H: int, S: int, B: int) -> dict | None:
     dev, dt = "cuda", torch.bfloat16
-    cache, bt, seq = make_paged(B, S, dict(L=hopper.LAT, R=hopper.ROPE, block=hopper.BN), dev, dt)
-    q_lat = torch.randn(B, H, hopper.LAT, device=dev).to(dt)
-    q_rope = torch.randn(B, H, hopper.ROPE, device=dev).to(dt)
-    splits = hopper.split_count(B, H, bt.shape[1] * hopper.BN)
+    cache, bt, seq = make_paged(B, S, dict(L=widths.LAT, R=widths.ROPE, block=widths.BN), dev, dt)
+    q_lat = torch.randn(B, H, widths.LAT, device=dev).to(dt)
+    q_rope = torch.randn(B, H, widths.ROPE, device=dev).to(dt)
+    splits = gluon.split_count(B, H, bt.shape[1] * widths.BN)
     if splits == 1:
         return None
     block_s = min(triton.next_power_of_2(splits), kernels.CONFIGS["merge"]["block_s"])
-    rule = kernels.merge_tiles(B * H, block_s, hopper.LAT)
+    rule = kernels.merge_tiles(B * H, block_s, widths.LAT)
     real_tiles, real_pdl = kernels.merge_tiles, kernels.pdl_opts
 
     def decode():
-        return hopper._decode(q_lat, q_rope, cache, cache[..., hopper.LAT:], hopper.BN, bt, seq, 192 ** -0.5, splits,
+        return gluon.decode(q_lat, q_rope, cache, cache[..., widths.LAT:], widths.BN, bt, seq, 192 ** -0.5, splits,
                               None)
 
     shipped = decode()
@@ -73,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write JSON rows here")
     args = ap.parse_args()
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper.HAVE_GLUON):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and widths.HAVE_GLUON):
         sys.exit("bench/mla_merge.py needs an sm_90 GPU and Triton with Gluon (the decode kernels that split)")
     rows = [r for shape in SHAPES if (r := row(*shape)) is not None]
     if args.out:

@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.ops.ssm import kernels  # noqa: E402
-from runtime.ops.ssm import reference  # noqa: E402
+from kernels.ssm import triton_config, triton_ssd  # noqa: E402
+from kernels.ssm import reference  # noqa: E402
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
     args = ap.parse_args()
     import triton
     H, P, N, G = args.heads, 64, 128, 1
-    base = copy.deepcopy(kernels.CONFIG["ssd"])
+    base = copy.deepcopy(triton_config.CONFIG["ssd"])
     # coordinate descent: the states kernel(s) first at the shipped scan config, then the scan kernel at the best
     # states config (each phase's grid is small enough for one device call)
     states_grid = [
@@ -47,7 +47,7 @@ def main() -> int:
         Cm = torch.randn(1, T, G, N, device="cuda", dtype=torch.bfloat16, generator=g)
         D = torch.randn(H, device="cuda")
         dtb = torch.randn(H, device="cuda")
-        fn = lambda: kernels.ssd_scan_triton(x, dt, A, Bm, Cm, 256, D, None, dtb, True, 0.0, float("inf"), None)  # noqa: E731
+        fn = lambda: triton_ssd.ssd_scan_triton(x, dt, A, Bm, Cm, 256, D, None, dtb, True, 0.0, float("inf"), None)  # noqa: E731
         if args.profile:
             profile(fn, T, H)
             continue
@@ -56,7 +56,7 @@ def main() -> int:
         for phase, grid in (("states", states_grid), ("scan", scan_grid)):
             phase_rows = []
             for cfg in grid:
-                kernels.CONFIG["ssd"] = {**cur, **cfg}
+                triton_config.CONFIG["ssd"] = {**cur, **cfg}
                 try:
                     y, s = fn()
                     if ref[0] is None:
@@ -76,10 +76,10 @@ def main() -> int:
                 win = min(phase_rows, key=lambda r: r["ms"])
                 cur.update({k: win[k] for k in win if k in base})
                 print(f"PHASE {phase} T={T} best {json.dumps(win)}", flush=True)
-        kernels.CONFIG["ssd"] = cur
+        triton_config.CONFIG["ssd"] = cur
         print(f"BEST CONFIG T={T} {json.dumps(cur)}", flush=True)
         profile(fn, T, H)
-        kernels.CONFIG["ssd"] = dict(base)
+        triton_config.CONFIG["ssd"] = dict(base)
     best = {}
     for r in rows:
         if "Mtok_s" in r and (r["T"] not in best or r["Mtok_s"] > best[r["T"]]["Mtok_s"]):

@@ -1,4 +1,4 @@
-"""hybrid's compiler: the ``hybrid`` torch.compile backend, its options, the explain report and the CLI.
+"""hybrid's compiler: the ``hybrid`` torch.compile backend, its options and the explain report.
 
     import torch
     model = torch.compile(model, backend="hybrid")            # no import of ours needed

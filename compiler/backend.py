@@ -12,8 +12,9 @@ import os
 import torch
 from torch import fx
 
-from passes import PassContext, run_pipeline
-from runtime.ops.library import pdl
+import kernels  # noqa: F401  (registers the hybrid:: ops the passes emit)
+from kernels.library import pdl
+from passes import PassContext, prepare_graph, run_pipeline
 
 from .options import Options
 from .report import GraphInfo, publish
@@ -26,8 +27,6 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
                    mode: str | None = None, **unused):
     """Rewrite MLA / SSM / MoE regions into hybrid ops, then compile the graph with Inductor."""
     opts = Options.parse(options)
-    import runtime.ops  # noqa: F401  (registers the hybrid:: ops the passes emit)
-
     graph_id = next(_graph_ids)
     nodes_before = len(gm.graph.nodes)
     ctx = PassContext(gm, example_inputs, opts, graph_id=graph_id)
@@ -35,6 +34,7 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
         from .verify import Verifier
         all_regions = [r for kind in ("mla", "ssm", "moe") for r in ctx.regions(kind)]
         ctx.verifier = Verifier(gm, example_inputs, all_regions)
+    ctx.notes.extend(prepare_graph(ctx))
     counts = run_pipeline(ctx, opts.passes)
     gm.recompile()
     info = GraphInfo(graph_id, nodes_before, len(gm.graph.nodes), _describe_inputs(example_inputs), counts,
@@ -54,10 +54,9 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
 
 def _gpu_defaults(example_inputs: list) -> dict:
     """Inductor settings for a graph on CUDA tensors, each overridable through ``inductor_config``. A decode step at batch 1 is
-    dozens of short kernels, so launches and the gaps between them count (H200, DeepSeek-V2-Lite shape, B=1:
-    bench/results/2026-11-30_engine_inductor_pdl_h200.md):
+    dozens of short kernels, so launches and the gaps between them count:
     - ``triton.enable_pdl``: Inductor's kernels launch with programmatic dependent launch like ours
-      (``runtime.ops.library.pdl``), unless TORCHINDUCTOR_ENABLE_PDL says otherwise;
+      (``kernels.library.pdl``), unless TORCHINDUCTOR_ENABLE_PDL says otherwise;
     - ``combo_kernels``: independent small kernels (MLA's RoPE and norm glue: four kernels per layer -> three) share
       a launch."""
     if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
@@ -72,7 +71,7 @@ def _inference(fn, retrace: bool = False, before_retrace=()):
     """hybrid compiles for inference: graphs are built and run without autograd (the fused ops have no
     backward), also when the caller forgot ``torch.no_grad()``. With ``retrace``, the first run calls
     ``before_retrace`` (changes to what dynamo traces, made outside its analysis) and drops dynamo's compiled
-    code so the next call traces the model again (see passes/moe_eager.py, passes/ssm_scan.py)."""
+    code so the next call traces the model again (see passes/prepare.py)."""
     pending = [retrace]
 
     def run(*args):

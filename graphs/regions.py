@@ -85,8 +85,6 @@ class Region:
                     out.setdefault(base, None)
         return list(out)
 
-    def inplace_nodes(self) -> list[fx.Node]:
-        return [n for n in self.nodes if is_inplace(n)]
 
 
 _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select",
@@ -301,16 +299,6 @@ def _flat_nodes(obj) -> list[fx.Node]:
     out: list[fx.Node] = []
     map_arg(obj, lambda n: out.append(n) or n)
     return out
-
-
-def erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> int:
-    """Erase the given nodes when nothing uses them any more (reverse order); returns how many."""
-    erased = 0
-    for n in reversed(candidates):
-        if not getattr(n, "_erased", False) and not n.users and n.op not in ("placeholder", "output"):
-            gm.graph.erase_node(n)
-            erased += 1
-    return erased
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from torch import fx
 
 from graphs.regions import node_value
 
-from .base import PassContext
+from .base import Pass, PassContext, PassResult
 
 KIND = "complex"
 #: methods that act on a complex tensor's shape only: applied to the real and imaginary halves alike
@@ -74,21 +74,20 @@ def _why_not(n: fx.Node) -> str | None:
     return f"{n.op} {getattr(n.target, '__name__', n.target)}"
 
 
-class LowerComplex:
+class LowerComplex(Pass):
     kind = KIND
     name = "complex"
 
-    def run(self, ctx: PassContext) -> int:
+    def apply(self, ctx: PassContext) -> PassResult:
         graph = ctx.gm.graph
         cplx = [n for n in graph.nodes if _is_complex(n)]
         if not cplx:
-            return 0
+            return PassResult()
         users = {u for n in cplx for u in n.users}
         blockers = sorted({w for n in set(cplx) | users if (w := _why_not(n)) is not None})
         if blockers:
-            ctx.notes.append(f"complex ops kept: complex values reach {', '.join(blockers)} (Inductor runs complex "
-                             "ops as eager aten kernels)")
-            return 0
+            return PassResult(notes=[f"complex ops kept: complex values reach {', '.join(blockers)} (Inductor runs "
+                                     "complex ops as eager aten kernels)"])
         pairs: dict[fx.Node, tuple] = {}
         for n in list(graph.nodes):
             if n in pairs or not (_is_complex(n) or n.target is torch.view_as_real):
@@ -102,10 +101,7 @@ class LowerComplex:
         for n in reversed(list(graph.nodes)):  # the complex chain is dead now
             if (_is_complex(n) or n.target is torch.view_as_real) and not n.users:
                 graph.erase_node(n)
-        graph.lint()
-        ctx.gm.recompile()
-        ctx.notes.append(f"{len(cplx)} complex ops lowered to real arithmetic (Inductor can fuse them)")
-        return 1
+        return PassResult(1, notes=[f"{len(cplx)} complex ops lowered to real arithmetic (Inductor can fuse them)"])
 
 
 def _lower(graph: fx.Graph, n: fx.Node, pairs: dict) -> tuple:

@@ -4,7 +4,7 @@ HF's gated MLPs (Llama, DeepSeek's dense MLP and shared experts) compute ``down_
 up_proj(x))``. After passes/norm.py the norm before them and both projections are one launch (``hybrid::norm_linear``
 with two weights), and Inductor runs ``silu(gate) * up`` as a kernel of its own: at one row a fixed cost of 2-3 us for
 a few KB of data. With ``glu=True`` each gemv program computes the same rows of gate and up and stores the product
-(runtime/ops/linear/kernels.py, rounded as the eager ops round); more rows run the two linears and one silu * mul
+(kernels/linear/triton_gemv.py, rounded as the eager ops round); more rows run the two linears and one silu * mul
 launch, as Inductor would.
 
 What fires: ``F.silu(gate) * up`` (either way round, not in place) where gate and up are the two outputs of one
@@ -23,7 +23,7 @@ from torch import fx
 
 from graphs.regions import node_value
 
-from .base import PassContext
+from .base import Pass, PassContext, PassResult
 
 KIND = "glu"
 _SILU = {F.silu, torch._C._nn.silu}
@@ -81,11 +81,11 @@ def _match(mul: fx.Node) -> str | tuple | None:
     return call, silu, gate, up, g[1]
 
 
-class FuseGLU:
+class FuseGLU(Pass):
     kind = KIND
     name = "glu"
 
-    def run(self, ctx: PassContext) -> int:
+    def apply(self, ctx: PassContext) -> PassResult:
         graph = ctx.gm.graph
         fused, why = 0, {}
         for mul in list(graph.nodes):
@@ -119,11 +119,9 @@ class FuseGLU:
                 graph.erase_node(item)
             graph.erase_node(call)
             fused += 1
-        if fused:
-            graph.lint()
-            ctx.gm.recompile()
+        notes = []
         if fused or why:
             left = "; ".join(f"{k} left to Inductor where {reason}" for reason, k in why.items())
-            ctx.notes.append(f"{fused} SiLU-gated MLP activations -> the epilogue of their gate + up launch "
-                             f"(hybrid::norm_linear glu){'; ' + left if left else ''}")
-        return fused
+            notes.append(f"{fused} SiLU-gated MLP activations -> the epilogue of their gate + up launch "
+                         f"(hybrid::norm_linear glu){'; ' + left if left else ''}")
+        return PassResult(fused, notes=notes)

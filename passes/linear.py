@@ -2,13 +2,11 @@
 
 At batch 1 every projection is a one-row GEMM whose time is its weight's bytes plus a fixed cost per kernel;
 cuBLAS's one-row kernels leave bandwidth on the table for 2-50 MB weights and some add a split-K reduction
-kernel (bench/results/2026-11-30_linear_h200.md). The ops choose per call (runtime/ops/linear/ops.py): one row on
-CUDA in fp16/bf16 -> Triton, anything else (prefill, bigger batches, the CPU) -> ``F.linear`` unchanged. Where the
-graph fixes the row count at a value the kernels never take (a static prefill, a static decode at batch 8), the
-linear stays F.linear for Inductor: the op would only add host time per call where no CUDA graph hides it (its
-dispatch, and the norm and GLU passes' ops built on it). DeepSeek-V2-Lite's static B=8 step carried 17 such ops
-(7 hybrid ops -> 24, counted on the CPU) in the run where it was 1.2 ms slower without graphs than before the pass
-(bench/results/2026-12-01_models_dsv2lite_4k_narrow_h200.md); how much of that they cost is not measured.
+kernel. The ops choose per call (kernels/linear/ops.py): one row on CUDA in fp16/bf16 -> Triton, anything else
+(prefill, bigger batches, the CPU) -> ``F.linear`` unchanged. Where the graph fixes the row count at a value the
+kernels never take (a static prefill, a static decode at batch 8), the linear stays F.linear for Inductor: the op
+would only add host time per call where no CUDA graph hides it (its dispatch, and the norm and GLU passes' ops built
+on it).
 
 Siblings that read the same input with bias-free weights (``q_proj`` + ``kv_a_proj_with_mqa``, ``gate_proj`` +
 ``up_proj``, ``q/k/v_proj``) become one ``linear_group`` call: one launch instead of two or three. Only linears
@@ -26,8 +24,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphs.regions import is_inplace, node_value
+from kernels.linear.triton_gemv import pick_config
 
-from .base import PassContext
+from .base import Pass, PassContext, PassResult
 
 KIND = "linear"
 _LINEAR = {torch._C._nn.linear, F.linear}
@@ -54,7 +53,6 @@ def _fixed_rows_untaken(x: fx.Node, w: fx.Node) -> bool:
     Triton kernel? Then every call of the op would run ``F.linear``: an opaque call (host time per launch without
     CUDA graphs) that Inductor's own mm does as well. Symbolic row counts (the engine's graphs, dynamo's dynamic
     recompiles) keep the op: it decides per call."""
-    from runtime.ops.linear.kernels import pick_config  # as passes/norm.py: the kernels load with the ops, not here
     xv, wv = node_value(x), node_value(w)
     if not all(isinstance(d, int) for d in xv.shape) or xv.dim() == 0 or xv.shape[-1] == 0:
         return False
@@ -76,22 +74,23 @@ def may_mutate(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverloadPacket) and any(getattr(t, o)._schema.is_mutable for o in t.overloads())
 
 
-class DecodeLinear:
+class DecodeLinear(Pass):
     kind = KIND
     name = "linear"
 
-    def run(self, ctx: PassContext) -> int:
+    def apply(self, ctx: PassContext) -> PassResult:
         graph = ctx.gm.graph
+        notes = []
         weights = ctx.weight_nodes
         found = [(n, p) for n in graph.nodes if (p := _parts(n)) is not None and p[1] in weights
                  and (p[2] is None or p[2] in weights)]
         fixed = {n for n, p in found if _fixed_rows_untaken(p[0], p[1])}
         if fixed:
-            ctx.notes.append(f"{len(fixed)} linear layers left to Inductor: their row count is fixed in this graph "
-                             "and the Triton kernels take no call at it (the op would run F.linear)")
+            notes.append(f"{len(fixed)} linear layers left to Inductor: their row count is fixed in this graph "
+                         "and the Triton kernels take no call at it (the op would run F.linear)")
             found = [(n, p) for n, p in found if n not in fixed]
         if not found:
-            return 0
+            return PassResult(notes=notes)
         parts = dict(found)
         groups: dict[tuple, list[fx.Node]] = {}
         singles = []
@@ -138,9 +137,7 @@ class DecodeLinear:
             call.meta.update(m.meta)
             m.replace_all_uses_with(call)
             graph.erase_node(m)
-        graph.lint()
-        ctx.gm.recompile()
         total = len(found)
-        ctx.notes.append(f"{total} linear layers -> hybrid::linear ({grouped} of them in {launches} shared-input "
-                         "launches): Triton kernels at one row, F.linear otherwise")
-        return total
+        notes.append(f"{total} linear layers -> hybrid::linear ({grouped} of them in {launches} shared-input "
+                     "launches): Triton kernels at one row, F.linear otherwise")
+        return PassResult(total, notes=notes)

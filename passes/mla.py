@@ -8,27 +8,23 @@ the per-head re-expansion of the whole cache, the key assembly (``new_empty`` + 
 attention itself. Projections, RoPE, HF's cache update and ``o_proj`` stay in the graph; so do HF's cache
 semantics. Before rewriting, the replaced sub-graph is cut out and run on random inputs against the op:
 a structure that computes something else is left to Inductor. In the engine's decode graphs the cache update
-returns ``hybrid::paged_gather`` (runtime/ops/mla/paged.py): a one-token attention whose latent and rope key
-come straight from it becomes ``hybrid::mla_attention_paged`` over the pages, and the gather is erased; when the
-step's own cache write (``index_copy_`` of ``[kv_a_layernorm(kv) | k_rope]``) and kv_a_layernorm are proven too
-(``_step_write``: structure, the norm pass's probe of the module, a probe of the row assembly), it becomes
-``hybrid::mla_decode_step``, which also writes the row and normalises the latent (runtime/ops/mla/step.py).
+returns ``hybrid::paged_gather`` (the paged-decode contract, kernels/mla/ops.py): a one-token attention whose latent
+and rope key come straight from it becomes ``hybrid::mla_attention_paged`` over the pages, and the gather is erased.
+passes/mla_step.py then takes the step's cache write and kv_a_layernorm into that op where it can prove them.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from compiler.numerics import close
 from graphs.modules import MLA, node_module_keys
 from graphs.regions import Region, Rewrite, RewriteError, concrete, extract_subgraph, is_inplace, node_value, view_base
+from kernels.numerics import close
 
 from .base import PassContext, RegionPass, Skip, eager_probe
-from .norm import rmsnorm_eps, rmsnorm_problem
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 _LINEAR = {torch._C._nn.linear, F.linear}
@@ -76,28 +72,16 @@ class FuseMLA(RegionPass):
         args = [q_nope, q_rope, latent, k_rope, weight, mask]
         nodes = self._replaced_nodes(region, sdpa, [a for a in args if a is not None])
         self._probe(ctx, nodes, sdpa, args, is_causal, scale, m.kv_b_proj.weight)
-        from runtime.ops.mla import dropin, paged  # noqa: F401  (registers the hybrid::mla_attention ops)
         heads = concrete(node_value(q_nope).shape[1])
         note = (f"absorbed latent attention: {heads} heads, latent {m.kv_b_proj.weight.shape[1]} + rope "
                 f"{concrete(node_value(q_rope).shape[-1])} per cached token")
         gather = _paged_gather(latent, k_rope)
         if gather is not None and concrete(node_value(q_nope).shape[2]) == 1:
             buf, _, table, lens, _, block_size = gather.args
-            note += "; decode reads the engine's paged latent cache in place"
-            try:
-                write = _step_write(ctx, region, m, buf, gather)
-            except Skip as e:  # the write stays in the graph (Inductor's kernels): correct, one launch or two more
-                return Rewrite(torch.ops.hybrid.mla_attention_paged.default,
-                               (q_nope, q_rope, buf, table, lens, weight, block_size, scale), {}, {sdpa: None},
-                               note=f"{note}; the step's cache write is left to Inductor: {e}",
-                               nodes=nodes, unused=[latent, k_rope, gather])
-            order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
-            return Rewrite(torch.ops.hybrid.mla_decode_step.default,
-                           (q_nope, q_rope, write.kv, write.norm_weight, write.k_rope, buf, write.slots, table, lens,
-                            weight, write.eps, block_size, scale), {}, {sdpa: None}, mutates=[buf],
-                           note=note + "; the step's kv_a_layernorm, cache write and query absorption are one launch",
-                           nodes=sorted(set(nodes) | set(write.nodes), key=order.__getitem__),
-                           unused=[latent, k_rope, gather, *write.sizes])
+            return Rewrite(torch.ops.hybrid.mla_attention_paged.default,
+                           (q_nope, q_rope, buf, table, lens, weight, block_size, scale), {}, {sdpa: None},
+                           note=note + "; decode reads the engine's paged latent cache in place", nodes=nodes,
+                           unused=[latent, k_rope, gather])
         return Rewrite(torch.ops.hybrid.mla_attention.default, (*args, is_causal, scale), {}, {sdpa: None},
                        note=note, nodes=nodes)
 
@@ -189,87 +173,9 @@ class FuseMLA(RegionPass):
             raise Skip(f"the attention sub-graph differs from hybrid::mla_attention on a probe: {msg}")
 
 
-@dataclass
-class _StepWrite:
-    """The engine's cache write of a decode step, as ``hybrid::mla_decode_step`` takes it over."""
-    kv: fx.Node           # the new token's latent before kv_a_layernorm [B, 1, L]
-    norm_weight: fx.Node
-    eps: float
-    k_rope: fx.Node       # the new token's rope key after RoPE
-    slots: fx.Node        # the index_copy_'s rows
-    nodes: list[fx.Node]  # replaced: the norm, the row's assembly, the write
-    sizes: list[fx.Node]  # scalar nodes only the norm read (its eps, lifted by dynamo)
-
-
-def _step_write(ctx: PassContext, region: Region, m, buf: fx.Node, gather: fx.Node) -> _StepWrite:
-    """The write of the step's row into ``buf`` when it is what the engine's cache layer does
-    (runtime/engine/cache.py: ``buf.index_copy_(0, slots, cat([kv_a_layernorm(kv), k_rope], -1)`` reshaped to rows,
-    nothing else reading ``buf``) and kv_a_layernorm is an RMSNorm (norm pass's probe); else Skip with why."""
-    writes = [u for u in buf.users if u is not gather]
-    if len(writes) != 1 or writes[0] not in region or not (
-            writes[0].op == "call_method" and writes[0].target == "index_copy_" and len(writes[0].args) == 4
-            and writes[0].args[0] is buf and writes[0].args[1] == 0 and not writes[0].kwargs and not writes[0].users):
-        raise Skip("the cache is not written by one index_copy_ of rows in this attention")
-    write = writes[0]
-    slots, src = write.args[2], write.args[3]
-    chain = [src]  # the written rows back to the concatenation: views and casts, each read once
-    while chain[-1].op == "call_method" and chain[-1].target in _ROW_VIEWS and len(chain[-1].users) == 1:
-        chain.append(chain[-1].args[0])
-    cat = chain[-1]
-    if not (cat.op == "call_function" and cat.target is torch.cat and len(cat.args[0]) == 2 and len(cat.users) == 1):
-        raise Skip("the cached row is not one concatenation of the latent and the rope key")
-    lat, k_rope = cat.args[0]
-    norm = m.kv_a_layernorm
-    key = str(id(norm))
-    norm_nodes = [n for n in region.nodes if key in node_module_keys(n)]
-    norm_set = set(norm_nodes)
-    outs = [n for n in norm_nodes if any(u not in norm_set for u in n.users)]
-    path = [lat]
-    while path[-1] not in norm_set and path[-1].op == "call_method" and path[-1].target in _ROW_VIEWS \
-            and len(path[-1].users) == 1:
-        path.append(path[-1].args[0])
-    if len(outs) != 1 or path[-1] is not outs[0] or len(outs[0].users) != 1:
-        raise Skip("the cached latent is not kv_a_layernorm's output, read only by the cache write")
-    eps = rmsnorm_eps(norm)
-    weight = ctx.param_node(norm.weight)
-    acts = [a for n in norm_nodes for a in n.all_input_nodes if a not in norm_set and a is not weight
-            and isinstance(node_value(a), torch.Tensor) and node_value(a).dim() > 0]
-    if eps is None or weight is None or len(set(acts)) != 1:
-        raise Skip("kv_a_layernorm is not a module holding one weight and an eps, reading one input")
-    kv = acts[0]
-    kv_v, row_v, buf_v = node_value(kv), node_value(src), node_value(buf)
-    b, lat_dim = concrete(kv_v.shape[0]), concrete(kv_v.shape[-1])
-    rope_dim = concrete(buf_v.shape[-1]) - lat_dim
-    if kv_v.dim() != 3 or concrete(kv_v.shape[1]) != 1 or row_v.dtype != buf_v.dtype or \
-            kv_v.dtype not in (buf_v.dtype, torch.float32) or concrete(node_value(k_rope).numel()) != b * rope_dim:
-        raise Skip("the step's latent, rope key and cache rows do not have the shapes and dtypes of a one-token step")
-    problem = rmsnorm_problem(norm, eps, kv_v.dtype)
-    if problem:
-        raise Skip(f"kv_a_layernorm: {problem}")
-    sizes = [n for n in norm_nodes if isinstance(node_value(n), (torch.SymInt, torch.SymFloat, int, float))]
-    assembly = [n for n in region.nodes if n in set(path[:-1]) | set(chain)]
-    try:
-        sub = extract_subgraph(assembly, [outs[0], k_rope], src)
-    except RewriteError as e:
-        raise Skip(str(e)) from None
-    g = torch.Generator(device="cpu").manual_seed(6)
-    lat_x, rope_x = (torch.randn([concrete(s) for s in node_value(n).shape], generator=g).to(node_value(n).dtype)
-                     for n in (outs[0], k_rope))
-    with eager_probe():
-        got = sub(lat_x, rope_x)
-    want = torch.cat([lat_x.reshape(b, lat_dim), rope_x.reshape(b, rope_dim)], -1).view(b, 1, -1).to(row_v.dtype)
-    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want):
-        raise Skip("the written rows are not [latent | rope key] per sequence (probe)")
-    return _StepWrite(kv, weight, eps, k_rope, slots, norm_nodes + assembly + [write], sizes)
-
-
-#: views and casts between the rows the cache layer assembles and what it writes
-_ROW_VIEWS = {"view", "reshape", "transpose", "contiguous", "to", "float"}
-
-
 def _paged_gather(latent: fx.Node, k_rope: fx.Node) -> fx.Node | None:
     """The engine's ``hybrid::paged_gather`` when the latent and the rope key are its two outputs, used by
-    nothing else (runtime/ops/mla/paged.py: the op also carries the step's block table and lengths)."""
+    nothing else (the op also carries the step's block table and lengths)."""
     srcs = []
     for node, idx in ((latent, 0), (k_rope, 1)):
         if not (node.op == "call_function" and node.target is operator.getitem and node.args[1] == idx

@@ -2,7 +2,7 @@
 
 Found by what it holds (a router weight [E, H], experts with 3-D weights), whatever the class names and
 whatever ``config._experts_implementation`` is (grouped_mm, batched_mm: the block is replaced whole, so
-the experts implementation inside does not matter; eager breaks the graph: see :mod:`passes.moe_eager`).
+the experts implementation inside does not matter; eager breaks the graph: see :mod:`passes.prepare`).
 
 Nothing is taken on trust: the routing variant and the activation are identified by running the live
 router / activation on probe inputs and comparing with our reference, and the block as a whole (routed
@@ -12,34 +12,19 @@ A block that matches none of the known forms is left to Inductor with the reason
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from compiler.numerics import close
 from graphs.modules import MOE, experts_weights, moe_parts, node_module_keys
 from graphs.regions import Region, Rewrite, node_value
+from kernels.moe import reference
+from kernels.moe.reference import METHODS
+from kernels.moe.spec import ExpertsSpec, MoESpec, RouteSpec
+from kernels.numerics import close
 
 from .base import PassContext, RegionPass, Skip, eager_probe
-
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
-
-
-@dataclass(frozen=True)
-class RouteSpec:
-    method: str
-    top_k: int
-    renormalize: bool
-    scale: float
-    n_group: int
-    topk_group: int
-    router_fp32: bool
-
-    def kwargs(self) -> dict:
-        return dict(method=self.method, top_k=self.top_k, renormalize=self.renormalize, scale=self.scale,
-                    n_group=self.n_group, topk_group=self.topk_group)
+from .probes import identify_activation
 
 
 def _probe_input(w: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
@@ -94,7 +79,6 @@ def identify_routing(router: torch.nn.Module, bias: torch.Tensor | None, num_exp
     the matching variant is returned; when it returns bare logits (routing done in the block's own code),
     every candidate is returned and the whole-block check decides.
     """
-    from runtime.ops.moe import reference
     w = router.weight
     x = _probe_input(w, 48, seed=1234)
     with eager_probe():
@@ -118,27 +102,9 @@ def identify_routing(router: torch.nn.Module, bias: torch.Tensor | None, num_exp
                "sigmoid+bias group-limited, softmax group-limited)")
 
 
-def identify_activation(act: torch.nn.Module | None) -> str:
-    from runtime.ops.moe import reference
-    if act is None:
-        raise Skip("experts module has no act_fn")
-    t = torch.linspace(-6, 6, 97)
-    with eager_probe():
-        got = act(t)
-    for name in ACTIVATIONS:
-        if torch.allclose(got, reference.activation_fn(name)(t), atol=1e-6, rtol=1e-5):
-            return name
-    raise Skip(f"expert activation {type(act).__name__} is not one of {', '.join(ACTIVATIONS)}")
-
-
 class FuseMoE(RegionPass):
     kind = MOE
     name = "moe"
-
-    def run(self, ctx: PassContext) -> int:
-        from .moe_eager import adopt_eager_experts
-        adopt_eager_experts(ctx)
-        return super().run(ctx)
 
     def required_params(self, module):
         router, experts = moe_parts(module)
@@ -176,20 +142,15 @@ class FuseMoE(RegionPass):
         shared_nodes = [self._child_output(region, keep, c) if c is not None else None
                         for c in (shared_mlp, shared_gate)]
         x = self._activation_input(ctx, region, exclude=set(shared_nodes))  # the block input, unreshaped
-        spec = self._check_block(block, specs, activation, gated, interleaved, bias, router, w13,
+        spec = self._check_block(block, specs, ExpertsSpec(gated, interleaved, activation), bias, router, w13,
                                  weights["down_proj"], shared_mlp, shared_gate)
 
         params = [ctx.param_node(t) for t in (router.weight, w13, weights["down_proj"])]
-        bias_node = ctx.param_node(bias) if bias is not None and "sigmoid" in spec.method else None
-        if bias is not None and "sigmoid" in spec.method and bias_node is None:
+        bias_node = ctx.param_node(bias) if bias is not None and spec.route.uses_bias else None
+        if bias is not None and spec.route.uses_bias and bias_node is None:
             raise Skip("score-correction bias is not an input of this graph")
-        from runtime.ops.moe.block import moe_block  # noqa: F401  (registers hybrid::moe_block)
-        args = (x, params[0], bias_node, params[1], params[2], *shared_nodes, spec.method, spec.top_k,
-                spec.renormalize, spec.scale, spec.n_group, spec.topk_group, gated, interleaved, activation,
-                spec.router_fp32)
-        note = (f"{spec.method}, top-{spec.top_k}{', renormalised' if spec.renormalize else ''}"
-                f"{f', x{spec.scale:g}' if spec.scale != 1 else ''}, {activation}"
-                f"{', shared expert' if shared_mlp is not None else ''}"
+        args = spec.block_args(x, params[0], bias_node, params[1], params[2], *shared_nodes)
+        note = (f"{spec.describe()}{', shared expert' if shared_mlp is not None else ''}"
                 f"{' (sigmoid-gated)' if shared_gate is not None else ''}")
         return Rewrite(torch.ops.hybrid.moe_block.default, args, {}, {outputs[0]: None}, note=note, nodes=nodes)
 
@@ -237,10 +198,8 @@ class FuseMoE(RegionPass):
         return acts[0]
 
     @staticmethod
-    def _check_block(block, specs, activation, gated, interleaved, bias, router, w13, w2, shared_mlp,
-                     shared_gate) -> RouteSpec:
+    def _check_block(block, routes, experts, bias, router, w13, w2, shared_mlp, shared_gate) -> MoESpec:
         """The eager block on a probe batch must equal our reference composition of the parts."""
-        from runtime.ops.moe import reference
         x = _probe_input(router.weight, 12, seed=4321).to(w13.dtype).view(1, 12, -1)
         flat = x.view(12, -1)
         with eager_probe():
@@ -252,17 +211,16 @@ class FuseMoE(RegionPass):
                 if shared_gate is not None:
                     shared = torch.sigmoid(shared_gate(flat)) * shared
             msg = ""
-            for spec in specs:
-                ours = reference.moe(flat, router.weight, bias if "sigmoid" in spec.method else None, w13, w2,
-                                     **spec.kwargs(), gated=gated, interleaved=interleaved, activation=activation,
-                                     router_fp32=spec.router_fp32)
+            for route in routes:
+                spec = MoESpec(route, experts)
+                ours = reference.moe(flat, router.weight, bias if route.uses_bias else None, w13, w2, **spec.kwargs())
                 if shared is not None:
                     ours = ours + shared
                 ok, msg = close(ours.view_as(expected), expected, w13.dtype,
                                 tol=1e-4 if w13.dtype == torch.float32 else 3e-2)
                 if ok:
                     return spec
-        if len(specs) > 1:
+        if len(routes) > 1:
             raise Skip("block output matches none of the known routing variants with routed experts "
                        "(+ shared expert)")
         raise Skip(f"block output is not routed experts (+ shared expert) as understood: {msg}")

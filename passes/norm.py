@@ -25,41 +25,14 @@ import operator
 import torch
 from torch import fx
 
-from compiler.numerics import close
 from graphs.regions import Region, find_regions, node_value
+from kernels.linear.triton_gemv import pick_config
 
-from .base import PassContext, eager_probe
+from .base import Pass, PassContext, PassResult
 from .linear import may_mutate
+from .probes import rmsnorm_eps, rmsnorm_problem
 
 KIND = "norm"
-
-
-def rmsnorm_eps(m: torch.nn.Module | None) -> float | None:
-    """eps of a module that holds one 1-D ``weight`` parameter, no buffers and no children, else None."""
-    if m is None or next(m.children(), None) is not None or next(m.buffers(recurse=False), None) is not None:
-        return None
-    params = dict(m.named_parameters(recurse=False))
-    if list(params) != ["weight"] or params["weight"].dim() != 1:
-        return None
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    return float(eps) if isinstance(eps, (float, int)) and not isinstance(eps, bool) else None
-
-
-def rmsnorm_problem(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str | None:
-    """None when the module computes HF's RMSNorm on ``dtype`` input, else why not."""
-    from runtime.ops.linear.norm import add_rms_norm_ref
-    w = m.weight
-    g = torch.Generator(device="cpu").manual_seed(11)
-    x = torch.randn(2, 3, w.shape[0], generator=g) * 2 + 0.5
-    x[1] *= 1e-3  # rows with mean(x^2) near eps: a module that uses another eps than the one it holds shows there
-    x = x.to(w.device, dtype)
-    with eager_probe():
-        got = m(x)
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return "its output is not one tensor shaped like its input"
-    want = add_rms_norm_ref(x, None, w, eps, False, got.dtype)[0]
-    ok, msg = close(got, want, dtype, tol=1e-5 if dtype == torch.float32 else 1e-2)
-    return None if ok else f"its math is not RMSNorm's w * (x * rsqrt(mean(x^2) + eps)) ({msg})"
 
 
 def _is_cast(n: fx.Node) -> bool:
@@ -84,19 +57,19 @@ def _is_add(n: fx.Node) -> bool:
         and a.is_floating_point() and b.is_floating_point()
 
 
-class FuseNorm:
+class FuseNorm(Pass):
     kind = KIND
     name = "norm"
 
-    def run(self, ctx: PassContext) -> int:
+    def apply(self, ctx: PassContext) -> PassResult:
         graph = ctx.gm.graph
         consumers = {torch.ops.hybrid.linear.default, torch.ops.hybrid.linear_group.default}
         linears = [n for n in graph.nodes if n.op == "call_function" and n.target in consumers]
         if not linears:
-            return 0
+            return PassResult()
         regions = find_regions(ctx.gm, ctx.index, lambda m: KIND if rmsnorm_eps(m) is not None else None)
         if not regions:
-            return 0
+            return PassResult()
         by_output = {r.outputs[0]: r for r in regions if len(r.outputs) == 1}
         fused, why = 0, {}
         for r in regions:  # (a norm whose output nothing reads is one a region pass took apart: not reported)
@@ -117,17 +90,13 @@ class FuseNorm:
                 why.pop(region.path, None)
             else:
                 why[region.path] = reason
-        if fused:
-            graph.lint()
-            ctx.gm.recompile()
         by_reason: dict[str, list[str]] = {}
         for path, reason in why.items():
             by_reason.setdefault(reason, []).append(path)
         left = "; ".join(f"{len(ps)} where {reason} ({', '.join(sorted(ps)[:3])}{', ...' if len(ps) > 3 else ''})"
                          for reason, ps in by_reason.items())
-        ctx.notes.append(f"{fused} RMSNorm (+ residual add) -> prologue of the linear that reads it "
-                         f"(hybrid::norm_linear)" + (f"; left to Inductor: {left}" if left else ""))
-        return fused
+        return PassResult(fused, notes=[f"{fused} RMSNorm (+ residual add) -> prologue of the linear that reads it "
+                                        f"(hybrid::norm_linear)" + (f"; left to Inductor: {left}" if left else "")])
 
     def _fuse(self, ctx: PassContext, lin: fx.Node, chain: list[fx.Node], region: Region) -> str | None:
         """Rewrite one norm + linear, or say why not."""
@@ -151,7 +120,6 @@ class FuseNorm:
             return f"its input is {tv.dtype}, neither the linear's {wv.dtype} nor fp32"
         if normed and node_value(out).dtype != wv.dtype:
             return f"others read its {node_value(out).dtype} output, the op writes it in the linear's {wv.dtype}"
-        from runtime.ops.linear.kernels import pick_config
         Ns = [node_value(w).shape[0] for w in weights]
         if pick_config(1, Ns, wv.shape[1], norm=True) is None:
             return (f"the one-row prologue does not take its linear ({'+'.join(map(str, Ns))} x {wv.shape[1]}: an "

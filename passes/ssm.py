@@ -19,11 +19,12 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from compiler.numerics import close
-from graphs.modules import SSM, is_mamba1_mixer, mamba2_dims
+from graphs.modules import SSM, mamba2_dims
 from graphs.regions import Region, Rewrite, is_inplace, node_value
+from kernels.numerics import close
+from kernels.ssm.spec import Mamba1Spec, Mamba1Weights, Mamba2Spec, Mamba2Weights
 
-from .base import REWRITTEN, PassContext, RegionPass, Skip, eager_probe
+from .base import PassContext, RegionPass, Skip, eager_probe
 
 
 def _reads(state: fx.Node) -> bool:
@@ -39,16 +40,6 @@ def _shape(n: fx.Node) -> tuple:
 class FuseSSM(RegionPass):
     kind = SSM
     name = "ssm"
-
-    def run(self, ctx: PassContext) -> int:
-        from .ssm_scan import adopt_mamba1_scans
-        note = adopt_mamba1_scans(ctx)
-        first = len(ctx.results)
-        count = super().run(ctx)
-        for r in ctx.results[first:]:  # the Mamba1 mixers of this graph say what happens to HF's scan
-            if note and r.status == REWRITTEN and r.reason.startswith("mamba1"):
-                r.reason += note
-        return count
 
     def required_params(self, module):
         return [("in_proj.weight", module.in_proj.weight), ("out_proj.weight", module.out_proj.weight)]
@@ -78,8 +69,9 @@ class FuseSSM(RegionPass):
             raise Skip("cannot tell the mixer output among the region outputs")
         main = main[0]
         fresh = [o for o in tensor_outputs if o is not main]
-        self._check_probe(m, mamba2)
-        weights = self._weights(ctx, m, mamba2)
+        spec, live = mixer_spec(m, mamba2)
+        self._check_probe(m, spec, live)
+        weights = self._nodes(ctx, live)
         kernel = m.conv1d.weight.shape[-1]
 
         if written:  # decode, or a chunk continuing a cached prefill: states come in and are written in place
@@ -89,7 +81,7 @@ class FuseSSM(RegionPass):
             conv, ssm = self._split_states(written, kernel, mamba2)
             if _shape(hidden)[1] == 1:
                 op = torch.ops.hybrid.mamba2_mixer_step.default if mamba2 else torch.ops.hybrid.mamba_mixer_step.default
-                args = (hidden, mask, *weights["step"], conv, ssm)
+                args = spec.step_args(hidden, mask, weights, conv, ssm)
                 return Rewrite(op, args, {}, {main: None}, mutates=[conv, ssm], note=self._note(m, mamba2, "decode"))
             if not _reads(ssm):
                 raise Skip("a prefill chunk after a cached one, where HF's mixer does not read the cached ssm state "
@@ -98,7 +90,7 @@ class FuseSSM(RegionPass):
                 raise Skip("a Mamba1 prefill chunk continuing from cached states has no hybrid op")
             if node_value(ssm).dtype != torch.float32:
                 raise Skip(f"HF keeps the ssm state in {node_value(ssm).dtype}; hybrid continues from fp32")
-            args = (hidden, mask, *weights["prefill"], conv, ssm)
+            args = spec.chunk_args(hidden, mask, weights, conv, ssm)
             return Rewrite(torch.ops.hybrid.mamba2_mixer_chunk.default, args, {}, {main: None}, mutates=[conv, ssm],
                            note=self._note(m, mamba2, "prefill continuing from the cache"))
 
@@ -113,8 +105,8 @@ class FuseSSM(RegionPass):
                 raise Skip(f"HF keeps the ssm state in {node_value(ssm).dtype}; hybrid produces fp32")
             outputs.update({conv: 1, ssm: 2})
         op = torch.ops.hybrid.mamba2_mixer.default if mamba2 else torch.ops.hybrid.mamba_mixer.default
-        args = (hidden, mask, *weights["prefill"], width)
-        return Rewrite(op, args, {}, outputs, note=self._note(m, mamba2, "prefill"))
+        return Rewrite(op, spec.prefill_args(hidden, mask, weights, width), {}, outputs,
+                       note=self._note(m, mamba2, "prefill"))
 
     # -- pieces -------------------------------------------------------------------------------------
     @staticmethod
@@ -142,56 +134,44 @@ class FuseSSM(RegionPass):
         return conv[0], ssm[0]
 
     @staticmethod
-    def _weights(ctx: PassContext, m, mamba2) -> dict[str, tuple]:
-        def p(t, name, optional=False):
+    def _nodes(ctx: PassContext, weights):
+        """The live weights' graph nodes, in the same named tuple (None stays None)."""
+        def node(name, t):
             if t is None:
                 return None
-            node = ctx.param_node(t)
-            if node is None and not optional:
+            n = ctx.param_node(t)
+            if n is None:
                 raise Skip(f"{name} is not an input of this graph")
-            return node
-        common = (p(m.in_proj.weight, "in_proj.weight"), p(m.in_proj.bias, "in_proj.bias"),
-                  p(m.conv1d.weight, "conv1d.weight"), p(m.conv1d.bias, "conv1d.bias"))
-        if mamba2:
-            core = (*common, p(m.dt_bias, "dt_bias"), p(m.A_log, "A_log"), p(m.D, "D"), p(m.norm.weight, "norm"),
-                    p(m.out_proj.weight, "out_proj.weight"), p(m.out_proj.bias, "out_proj.bias"),
-                    mamba2["head_dim"], mamba2["groups"])
-            eps = float(m.norm.variance_epsilon)
-            group = int(getattr(m.norm, "group_size", mamba2["d_inner"]))
-            lo, hi = (float(v) for v in getattr(m, "time_step_limit", (0.0, float("inf"))))
-            return {"prefill": (*core, int(m.chunk_size), eps, group, lo, hi), "step": (*core, eps, group)}
-        norms = [getattr(m, f"{k}_layernorm", None) for k in ("dt", "b", "c")]
-        eps = float(norms[0].variance_epsilon) if norms[0] is not None else 1e-6
-        core = (*common, p(m.x_proj.weight, "x_proj.weight"), p(m.dt_proj.weight, "dt_proj.weight"),
-                p(m.dt_proj.bias, "dt_proj.bias"), p(m.A_log, "A_log"), p(m.D, "D"),
-                p(m.out_proj.weight, "out_proj.weight"), p(m.out_proj.bias, "out_proj.bias"),
-                *[p(n.weight, "norm") if n is not None else None for n in norms], eps)
-        return {"prefill": core, "step": core}
+            return n
+        return type(weights)(*(node(name, t) for name, t in zip(weights._fields, weights)))
 
     @staticmethod
-    def _check_probe(m, mamba2) -> None:
+    def _check_probe(m, spec, weights) -> None:
         """The live mixer (no cache) on a probe batch must equal the op: proves the math, not the cache."""
         w = m.in_proj.weight
         g = torch.Generator(device="cpu").manual_seed(77)
         x = torch.randn(2, 7, w.shape[1], generator=g).to(w.device, w.dtype)
+        op = torch.ops.hybrid.mamba2_mixer if isinstance(spec, Mamba2Spec) else torch.ops.hybrid.mamba_mixer
         with eager_probe():
             expected = m(x)
             expected = expected[0] if isinstance(expected, tuple) else expected
-            if mamba2:
-                lo, hi = (float(v) for v in getattr(m, "time_step_limit", (0.0, float("inf"))))
-                got = torch.ops.hybrid.mamba2_mixer(
-                    x, None, w, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D,
-                    m.norm.weight, m.out_proj.weight, m.out_proj.bias, mamba2["head_dim"], mamba2["groups"],
-                    int(m.chunk_size), float(m.norm.variance_epsilon),
-                    int(getattr(m.norm, "group_size", mamba2["d_inner"])), lo, hi, m.conv1d.weight.shape[-1])[0]
-            else:
-                norms = [getattr(m, f"{k}_layernorm", None) for k in ("dt", "b", "c")]
-                got = torch.ops.hybrid.mamba_mixer(
-                    x, None, w, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight, m.dt_proj.weight,
-                    m.dt_proj.bias, m.A_log, m.D, m.out_proj.weight, m.out_proj.bias,
-                    *[n.weight if n is not None else None for n in norms],
-                    float(norms[0].variance_epsilon) if norms[0] is not None else 1e-6,
-                    m.conv1d.weight.shape[-1])[0]
+            got = op(*spec.prefill_args(x, None, weights, m.conv1d.weight.shape[-1]))[0]
         ok, msg = close(got, expected, w.dtype, tol=1e-4 if w.dtype == torch.float32 else 3e-2)
         if not ok:
-            raise Skip(f"mixer math differs from hybrid's {'mamba2' if mamba2 else 'mamba'} mixer: {msg}")
+            raise Skip(f"mixer math differs from hybrid's {'mamba2' if isinstance(spec, Mamba2Spec) else 'mamba'} "
+                       f"mixer: {msg}")
+
+
+def mixer_spec(m, mamba2: dict | None):
+    """(spec, live weights) of a Mamba1 mixer (``mamba2`` None) or a Mamba2 mixer of sizes ``mamba2``."""
+    if mamba2:
+        lo, hi = (float(v) for v in getattr(m, "time_step_limit", (0.0, float("inf"))))
+        spec = Mamba2Spec(mamba2["head_dim"], mamba2["groups"], int(m.chunk_size), float(m.norm.variance_epsilon),
+                          int(getattr(m.norm, "group_size", mamba2["d_inner"])), lo, hi)
+        return spec, Mamba2Weights(m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.dt_bias,
+                                   m.A_log, m.D, m.norm.weight, m.out_proj.weight, m.out_proj.bias)
+    norms = [getattr(m, f"{k}_layernorm", None) for k in ("dt", "b", "c")]
+    spec = Mamba1Spec(float(norms[0].variance_epsilon) if norms[0] is not None else 1e-6)
+    return spec, Mamba1Weights(m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight,
+                               m.dt_proj.weight, m.dt_proj.bias, m.A_log, m.D, m.out_proj.weight, m.out_proj.bias,
+                               *[n.weight if n is not None else None for n in norms])

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compiler import collect, zoo
-from compiler.numerics import TOLERANCE, rel_err
+from compiler import collect
+from runtime import zoo
+from kernels.numerics import TOLERANCE, rel_err
 
 
 @dataclass

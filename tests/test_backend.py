@@ -6,7 +6,8 @@ import textwrap
 import pytest
 import torch
 
-from compiler import Options, collect, zoo
+from compiler import Options, collect
+from runtime import zoo
 from compiler.verify import Verifier
 from graphs.regions import Rewrite
 from harness import capture_graphs, prompt
@@ -106,7 +107,7 @@ def test_verify_rejects_a_wrong_rewrite_and_keeps_the_graph():
     n_nodes = len(gm.graph.nodes)
     ctx = PassContext(gm, ex, Options(verify=True))
     ctx.verifier = Verifier(gm, ex, ctx.regions("moe"))
-    assert WrongMoE().run(ctx) == 0
+    assert WrongMoE().run(ctx).matches == 0
     assert len(ctx.results) == 2
     assert all(r.status == "skipped" and r.reason.startswith("verify:") for r in ctx.results)
     assert len(gm.graph.nodes) == n_nodes
@@ -118,7 +119,7 @@ def test_without_verify_the_same_wrong_rewrite_would_apply():
     model = zoo.build("mixtral")
     (gm, ex), *_ = capture_graphs(model, prompt(model, 1, 6))
     ctx = PassContext(gm, ex, Options())
-    assert WrongMoE().run(ctx) == 2
+    assert WrongMoE().run(ctx).matches == 2
 
 
 @pytest.mark.parametrize("name,twins", [("mixtral", {"moe_block_rt"}), ("deepseek_v2", {"moe_block_rt", "mla_attention_rt"})])

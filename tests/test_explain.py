@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from compiler import explain, zoo
+from compiler import explain
+from runtime import zoo
 from harness import prompt
 from test_modules import EXPECTED
 
@@ -30,7 +31,7 @@ def test_explain_finds_every_region(name):
 
 
 def test_cli_explain_json_on_a_model_directory(tmp_path):
-    hybrid = [sys.executable, "-m", "compiler.cli"]
+    hybrid = [sys.executable, "-m", "runtime.cli"]
     subprocess.run(hybrid + ["zoo", "save", "jamba", str(tmp_path / "jamba")], check=True, capture_output=True)
     res = subprocess.run(hybrid + ["explain", str(tmp_path / "jamba"), "--json"], capture_output=True, text=True,
                          timeout=300)
@@ -43,7 +44,7 @@ def test_cli_explain_json_on_a_model_directory(tmp_path):
 
 
 def test_cli_bad_model_is_a_clear_error():
-    res = subprocess.run([sys.executable, "-m", "compiler.cli", "explain", "/no/such/dir"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "runtime.cli", "explain", "/no/such/dir"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2
     assert "neither a zoo model" in res.stderr and "hybrid zoo save" in res.stderr

@@ -3,7 +3,7 @@ import pytest
 import torch
 import transformers
 
-from compiler import zoo
+from runtime import zoo
 from graphs.modules import MLA, MOE, SSM, classify, clean_path, mamba2_dims
 
 EXPECTED = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from compiler import zoo
-from compiler.numerics import rel_err
+from runtime import zoo
+from kernels.numerics import rel_err
 from harness import compiled_with_spy, prompt
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import fx
 
-from compiler import zoo
-from compiler.numerics import rel_err
+from runtime import zoo
+from kernels.numerics import rel_err
 from harness import compiled_with_spy
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from compiler import zoo
-from compiler.numerics import rel_err
+from runtime import zoo
+from kernels.numerics import rel_err
 from harness import compiled_with_spy
 
 

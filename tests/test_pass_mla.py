@@ -3,9 +3,10 @@ unchanged, padded batches, and cases where it must not fire."""
 import pytest
 import torch
 
-from compiler import explain, zoo
-from compiler.hf import cache_kwarg, output_cache
-from compiler.numerics import rel_err
+from compiler import explain
+from runtime import zoo
+from runtime.hf import cache_kwarg, output_cache
+from kernels.numerics import rel_err
 from harness import cache_tensors, compile_forward, prompt
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 import transformers
 
-from compiler import explain, zoo
-from compiler.numerics import rel_err
+from compiler import explain
+from runtime import zoo
+from kernels.numerics import rel_err
 from harness import prompt
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import fx
 
-from compiler import zoo
+from runtime import zoo
 from graphs.modules import ModuleIndex, param_placeholders
 from graphs.regions import Rewrite, RewriteError, apply_rewrite, find_regions, node_value
 from harness import capture_graphs, prompt

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from runtime.ops.mla import mla_decode
+from kernels.mla.ops import mla_decode
 
 NAME = "hybrid_paged"
 

@@ -6,7 +6,7 @@
   keys/values gathered by ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are
   masked out). On a paged decode step it returns instead the buffer itself (MHA/GQA, see ``attention.py``)
   or, for MLA layers, the gather as ``hybrid::paged_gather`` with the step's block table and lengths
-  (``runtime/ops/mla/paged.py``).
+  (``kernels/mla/ops.py``).
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a first prefill chunk binds nothing and HF
   creates fresh states, which the runner then copies into the new sequence's row; a later chunk binds that
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
-from runtime.ops.mla import paged as _paged  # noqa: F401  (registers hybrid::paged_gather)
+from kernels.mla.ops import write_rows
 
 
 @dataclass
@@ -121,7 +121,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         super().__init__()
         self.k_dim, self.v_dim = k_dim, v_dim
         # rows are [v | k] (attention.py reads v as the "latent" of hybrid::mla_decode), or for MLA layers
-        # (latent=True) [k | v] = [latent | rope], the page layout of hybrid::mla_decode
+        # (latent=True) [k | v] = [latent | rope], the page layout of hybrid::mla_decode (one row per page for the write)
         self.latent, self.block_size = latent, block_size
         self.buf = torch.zeros(num_rows, heads, v_dim + k_dim, dtype=dtype, device=device)
         torch._dynamo.mark_static_address(self.buf)
@@ -131,7 +131,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.write_slots = torch.zeros(1, dtype=torch.long, device=device)
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.block_table = self.seq_lens = None  # paged MLA decode steps: [B, W] int32 blocks, [B] int32
-        self.paged = False  # decode step read in place (attention.py; MLA: runtime/ops/mla/paged.py)
+        self.paged = False  # decode step read in place (attention.py; MLA: kernels/mla/ops.py)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # buffers exist from the start
@@ -142,9 +142,11 @@ class PagedAttentionLayer(CacheLayerMixin):
         decode step, the whole buffer for the paged attention function, or for MLA layers the gather as
         ``hybrid::paged_gather``, which the MLA pass replaces by attention over the pages in place)."""
         b, h, t, _ = key_states.shape
-        parts = [key_states, value_states] if self.latent else [value_states, key_states]
-        rows = torch.cat(parts, dim=-1).transpose(1, 2).reshape(b * t, h, -1)
-        self.buf.index_copy_(0, self.write_slots, rows.to(self.buf.dtype))
+        if self.latent:  # [latent | rope] rows through the MLA cache write (the form passes/mla_step.py fuses)
+            write_rows(self.buf, self.write_slots, key_states, value_states)
+        else:
+            rows = torch.cat([value_states, key_states], dim=-1).transpose(1, 2).reshape(b * t, h, -1)
+            self.buf.index_copy_(0, self.write_slots, rows.to(self.buf.dtype))
         if self.paged and self.latent:
             return torch.ops.hybrid.paged_gather(self.buf, self.gather_idx, self.block_table, self.seq_lens,
                                                  self.k_dim, self.block_size)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from compiler.hf import cache_kwarg
+from runtime.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
 from .cache import PagedCache, discover_layers, ssm_chunking_problem
@@ -56,7 +56,7 @@ class Engine:
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
         mla = hasattr(model.config, "kv_lora_rank")
         if paged_decode is None:  # decode attention over the pages in place: MLA layers on any device once the
-            # MLA pass rewrites them (runtime/ops/mla/paged.py), MHA/GQA layers on the GPU (attention.py)
+            # MLA pass rewrites them (kernels/mla/ops.py), MHA/GQA layers on the GPU (attention.py)
             paged_decode = has_attn and (mla or self.device.type == "cuda")
         self.cache = PagedCache(specs, num_blocks * block_size if has_attn else 1, state_rows, self.dtype,
                                 self.device, latent=mla and paged_decode, block_size=block_size)
@@ -75,7 +75,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str | None = None, dtype: torch.dtype | None = None,
                         **kwargs) -> "Engine":
-        from compiler import zoo
+        from runtime import zoo
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
         model = zoo.load(name_or_path, dtype=dtype, device=device)

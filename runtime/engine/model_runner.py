@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from compiler.hf import cache_kwarg
+from kernels.sampling.ops import greedy_ids
+from runtime.hf import cache_kwarg
 
 from . import attention
 from .allocator import BlockAllocator
 from .cache import PagedCache
-from .sampler import greedy_ids, sample
+from .sampler import sample
 from .scheduler import Step
 from .step_maps import device_step_maps, step_maps
 
@@ -100,8 +101,8 @@ class ModelRunner:
                 raise ValueError(f"compile_options {compile_options} need a hybrid compile mode, got compile={compile!r}")
             return model.forward
         import compiler  # noqa: F401  (registers the backend for source checkouts)
-        from passes.ssm_scan import install_for_model
-        install_for_model(model)  # HF's Mamba1 scan as an opaque op from the first trace: no retrace
+        from passes.prepare import prepare_model
+        prepare_model(model)  # e.g. HF's Mamba1 scan as an opaque op from the first trace: no retrace
         # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
             compiled = torch.compile(model.forward, backend="hybrid", dynamic=True,
@@ -369,7 +370,7 @@ class ModelRunner:
         mha = paged and not self.paged_latent
         gather_idx, writes, keep, lengths, table32, mha_maps = self._maps(
             table, pads, width, q_len, self.blocks.block_size, self.kv_heads if mha else 0)
-        if paged and self.paged_latent:  # MLA: the pages themselves (runtime/ops/mla/paged.py)
+        if paged and self.paged_latent:  # MLA: the pages themselves (kernels/mla/ops.py)
             self.cache.bind(writes, gather_idx, rows, paged, table32, lengths)
         else:
             self.cache.bind(writes, gather_idx, rows, paged, state_row=state_row)
@@ -410,9 +411,7 @@ def _frozen(compiled):
     (Mamba's A = -exp(A_log), dtype casts) and concatenates linears that share an input on the GPU (DeepSeek's
     q_proj + kv_a_proj_with_mqa, the shared expert's gate + up): fewer kernels per decode step. The weights
     are constants of the compiled graphs: changing them after the engine is built has no effect.
-    Opt-in (``Engine(freeze_weights=True)``): on the H200 (bench/results/2026-11-30_engine_router_argmax_h200.md)
-    it took DeepSeek-V2-Lite-shape decode from 0.629 to 0.614 ms at B=1 (145 -> 141 kernels) but made the Mamba2
-    shape 5-10% slower (cause not analysed)."""
+    Opt-in (``Engine(freeze_weights=True)``): it is not faster on every model (bench/README.md)."""
     from torch._inductor import config as inductor_config
 
     def run(*args, **kwargs):

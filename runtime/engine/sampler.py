@@ -3,27 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.library import use_triton
-from ..ops.sampling import argmax_triton
 from .sequence import SamplingParams
-
-
-def greedy_ids(logits: torch.Tensor, advance: tuple | None = None) -> torch.Tensor:
-    """logits [B, V] -> argmax ids [B] (the first maximal index, as torch.argmax): on the GPU two short Triton
-    kernels (runtime/ops/sampling: torch's argmax reduces a row in one thread block, 27 us for DeepSeek's
-    102400 logits on the H200), elsewhere torch.argmax. ``advance`` = (ids, positions, pads or None, step):
-    also move a recorded decode step's inputs to the next step (ids <- argmax, positions += step,
-    pads -= step), inside the argmax's second kernel on the GPU."""
-    if use_triton(logits):
-        return argmax_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), advance)
-    out = logits.argmax(-1)
-    if advance is not None:
-        ids, positions, pads, step = advance
-        ids.copy_(out)
-        positions.add_(step)
-        if pads is not None:
-            pads.sub_(step)
-    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

@@ -1,9 +1,9 @@
 """A step's cache maps, built on the device from its block table and left padding.
 
 ``step_maps`` is the plain torch version (the CPU path and the oracle); ``device_step_maps`` computes the same
-tensors in one Triton launch on the GPU. Inductor had compiled the torch version into four kernels at decode
-(2-6 us, 1-2 us, 1 us, 1 us per step on the H200: unbacked sizes, int64 index math), all recorded in every decode
-graph; the one kernel writes every map from one read of the table row.
+tensors in one Triton launch on the GPU, where Inductor compiles the torch version into four kernels (unbacked
+sizes, int64 index math), all recorded in every decode graph; the one kernel writes every map from one read of the
+table row.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.library import pdl_opts, pdl_start
+from kernels.library import pdl_opts, pdl_start
 
 from . import attention
 

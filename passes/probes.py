@@ -1,0 +1,52 @@
+"""Probes that prove what a live module computes, shared by several passes and the HF preparation: the module runs
+eagerly on random inputs and its output is compared with a kernels reference. A module that fails a probe is left
+as it is (the caller says why)."""
+from __future__ import annotations
+
+import torch
+
+from kernels.linear.reference import add_rms_norm_ref
+from kernels.moe.reference import ACTIVATIONS, activation_fn
+from kernels.numerics import close
+
+from .base import Skip, eager_probe
+
+
+def identify_activation(act: torch.nn.Module | None) -> str:
+    """The name (kernels.moe.reference.ACTIVATIONS) of the activation ``act`` computes, or Skip."""
+    if act is None:
+        raise Skip("experts module has no act_fn")
+    t = torch.linspace(-6, 6, 97)
+    with eager_probe():
+        got = act(t)
+    for name in ACTIVATIONS:
+        if torch.allclose(got, activation_fn(name)(t), atol=1e-6, rtol=1e-5):
+            return name
+    raise Skip(f"expert activation {type(act).__name__} is not one of {', '.join(ACTIVATIONS)}")
+
+
+def rmsnorm_eps(m: torch.nn.Module | None) -> float | None:
+    """eps of a module that holds one 1-D ``weight`` parameter, no buffers and no children, else None."""
+    if m is None or next(m.children(), None) is not None or next(m.buffers(recurse=False), None) is not None:
+        return None
+    params = dict(m.named_parameters(recurse=False))
+    if list(params) != ["weight"] or params["weight"].dim() != 1:
+        return None
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return float(eps) if isinstance(eps, (float, int)) and not isinstance(eps, bool) else None
+
+
+def rmsnorm_problem(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str | None:
+    """None when the module computes HF's RMSNorm on ``dtype`` input, else why not."""
+    w = m.weight
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x = torch.randn(2, 3, w.shape[0], generator=g) * 2 + 0.5
+    x[1] *= 1e-3  # rows with mean(x^2) near eps: a module that uses another eps than the one it holds shows there
+    x = x.to(w.device, dtype)
+    with eager_probe():
+        got = m(x)
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return "its output is not one tensor shaped like its input"
+    want = add_rms_norm_ref(x, None, w, eps, False, got.dtype)[0]
+    ok, msg = close(got, want, dtype, tol=1e-5 if dtype == torch.float32 else 1e-2)
+    return None if ok else f"its math is not RMSNorm's w * (x * rsqrt(mean(x^2) + eps)) ({msg})"
