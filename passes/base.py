@@ -30,6 +30,10 @@ log = logging.getLogger("hybrid")
 
 REWRITTEN, DETECTED, SKIPPED = "rewritten", "detected", "skipped"
 
+#: exceptions torch.compile raises on purpose to steer its own analysis (restart it, skip a frame): never a failure
+#: of ours to contain, always passed on
+CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame, torch._dynamo.exc.ResetRequired)
+
 
 @contextlib.contextmanager
 def eager_probe():
@@ -157,6 +161,8 @@ class Pass:
             ctx.gm.graph.lint()
             if result.matches:
                 ctx.gm.recompile()
+        except CONTROL_FLOW:
+            raise
         except Exception as e:  # noqa: BLE001  (a bug of ours must not fail the user's compile)
             result = self._drop(ctx, snapshot, e)
         result.seconds = time.perf_counter() - start
