@@ -106,12 +106,21 @@ def experts_weights(m: nn.Module) -> dict[str, torch.Tensor] | None:
     return params
 
 
-def router_weight(m: nn.Module, num_experts: int, hidden: int) -> torch.Tensor | None:
-    """A router holds one 2-D weight [E, H] (a bare Parameter or a Linear's weight)."""
+def router_linear(m: nn.Module, num_experts: int, hidden: int) -> nn.Module | None:
+    """The module that holds a router's one 2-D weight [E, H]: the router itself (a bare Parameter or a Linear) or
+    its only such child (a router that wraps its linear, e.g. ``router.gate``), else None."""
     w = getattr(m, "weight", None)
     if isinstance(w, torch.Tensor) and w.dim() == 2 and tuple(w.shape) == (num_experts, hidden):
-        return w
-    return None
+        return m
+    found = [c for c in m.children() if isinstance(getattr(c, "weight", None), torch.Tensor)
+             and tuple(c.weight.shape) == (num_experts, hidden)]
+    return found[0] if len(found) == 1 else None
+
+
+def router_weight(m: nn.Module, num_experts: int, hidden: int) -> torch.Tensor | None:
+    """A router holds one 2-D weight [E, H] (a bare Parameter, a Linear's weight, or its linear child's)."""
+    lin = router_linear(m, num_experts, hidden)
+    return None if lin is None else lin.weight
 
 
 def moe_parts(m: nn.Module) -> tuple[str, str] | None:
@@ -146,7 +155,8 @@ def mamba2_dims(m: nn.Module) -> dict[str, int] | None:
     """Sizes of a Mamba2 / SSD mixer, derived from its weights and checked against each other.
 
     A gated delta-net layer also holds ``A_log``, ``dt_bias`` and a conv1d, but it has no per-head ``D``
-    and its in_proj width does not decompose as ``z + (x, B, C) + dt``: it is rejected here.
+    and its in_proj width does not decompose as ``z + (x, B, C) + dt``: it is rejected here. The gated norm may hold
+    no weight (Falcon-H1 without ``mamba_rms_norm``: y * silu(z)); the SSM pass's probe proves the math either way.
     """
     p = _direct_params(m)
     children = dict(m.named_children())
@@ -156,7 +166,7 @@ def mamba2_dims(m: nn.Module) -> dict[str, int] | None:
     heads = a.shape[0]
     if d.shape != (heads,) or dt_bias.shape != (heads,):
         return None
-    if not all(_has_weight(children.get(n)) for n in ("conv1d", "in_proj", "out_proj", "norm")):
+    if not all(_has_weight(children.get(n)) for n in ("conv1d", "in_proj", "out_proj")) or "norm" not in children:
         return None
     conv_w = children["conv1d"].weight  # [C, 1, K] depthwise
     if conv_w.dim() != 3 or conv_w.shape[1] != 1:
@@ -169,7 +179,8 @@ def mamba2_dims(m: nn.Module) -> dict[str, int] | None:
     state = (conv_dim - d_inner) // (2 * groups)
     if children["in_proj"].weight.shape[0] != d_inner + conv_dim + heads or d_inner % heads != 0:
         return None
-    if children["norm"].weight.shape != (d_inner,):
+    norm_w = getattr(children["norm"], "weight", None)
+    if norm_w is not None and tuple(norm_w.shape) != (d_inner,):
         return None
     return dict(heads=heads, head_dim=d_inner // heads, d_inner=d_inner, groups=groups, state=state,
                 conv_dim=conv_dim, kernel=kernel)

@@ -162,16 +162,33 @@ class FuseSSM(RegionPass):
                        f"mixer: {msg}")
 
 
+def _eps(norm) -> float:
+    """An RMS norm's epsilon under either of HF's attribute names (1e-6 where the mixer has no such norm)."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
 def mixer_spec(m, mamba2: dict | None):
     """(spec, live weights) of a Mamba1 mixer (``mamba2`` None) or a Mamba2 mixer of sizes ``mamba2``."""
     if mamba2:
         lo, hi = (float(v) for v in getattr(m, "time_step_limit", (0.0, float("inf"))))
-        spec = Mamba2Spec(mamba2["head_dim"], mamba2["groups"], int(m.chunk_size), float(m.norm.variance_epsilon),
-                          int(getattr(m.norm, "group_size", mamba2["d_inner"])), lo, hi)
+        norm = m.norm
+        spec = Mamba2Spec(mamba2["head_dim"], mamba2["groups"], int(m.chunk_size),
+                          _eps(norm),
+                          int(getattr(norm, "group_size", mamba2["d_inner"])), lo, hi,
+                          float(getattr(m, "ssm_in_multiplier", 1.0)))
         return spec, Mamba2Weights(m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.dt_bias,
-                                   m.A_log, m.D, m.norm.weight, m.out_proj.weight, m.out_proj.bias)
+                                   m.A_log, m.D, getattr(norm, "weight", None), m.out_proj.weight, m.out_proj.bias,
+                                   getattr(m, "mup_vector", None))
     norms = [getattr(m, f"{k}_layernorm", None) for k in ("dt", "b", "c")]
-    spec = Mamba1Spec(float(norms[0].variance_epsilon) if norms[0] is not None else 1e-6)
+    widths = (m.dt_proj.weight.shape[1], m.A_log.shape[1], m.A_log.shape[1])
+    spec = Mamba1Spec(_eps(norms[0]), bcdt_norm=norms[0] is not None)
     return spec, Mamba1Weights(m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight,
                                m.dt_proj.weight, m.dt_proj.bias, m.A_log, m.D, m.out_proj.weight, m.out_proj.bias,
-                               *[n.weight if n is not None else None for n in norms])
+                               *[_norm_weight(n, w) for n, w in zip(norms, widths)])
+
+
+def _norm_weight(norm, width: int):
+    """The scale a dt/B/C norm applies, or None for a weightless norm: one whose weight is no parameter of
+    width ``width`` (a placeholder buffer, possibly of another size). The probe proves the choice."""
+    w = getattr(norm, "weight", None)
+    return w if isinstance(w, torch.nn.Parameter) and tuple(w.shape) == (width,) else None

@@ -1,7 +1,8 @@
-"""The SSM pass on real HF mixers (Mamba, Mamba2, Jamba, Bamba): rewritten in prefill and decode graphs,
+"""The SSM pass on real HF mixers (Mamba, Mamba2, Jamba, Bamba, Falcon-H1, FalconMamba): rewritten in prefill and decode graphs,
 HF's cache states come out identical (drop-in), and cases where it must not fire."""
 import pytest
 import torch
+import transformers
 
 from compiler import explain
 from runtime import zoo
@@ -147,3 +148,52 @@ def test_prompt_lengths_compile_once(name, monkeypatch):
         ids = prompt(eager, 1, 33, seed=3)
         with torch.no_grad():
             assert torch.equal(model(ids).logits, eager(ids).logits)
+
+
+def _falcon_h1():
+    """Falcon-H1: a Mamba2 mixer without a gated norm (y * silu(z)), an input multiplier and per-channel multipliers
+    of the in projection's output (mup_vector), beside attention layers."""
+    cfg = transformers.AutoConfig.for_model(
+        "falcon_h1", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, max_position_embeddings=256, ssm_in_multiplier=0.7,
+        ssm_multipliers=[1.3, 0.6, 1.1, 0.9, 1.2])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    zoo._randomize_zero_init(model, 0)
+    return model
+
+
+def test_mixer_with_multipliers_and_no_norm_rewritten():
+    model = _falcon_h1()
+    ids = prompt(model, 2, 9)
+    regions = ssm_statuses(model, ids, generate_tokens=3)
+    assert len(regions) == 2 and all(r["status"] == "rewritten" and len(r["graphs"]) >= 2 for r in regions.values())
+    compiled = compile_forward(_falcon_h1(), {"inductor": False})
+    with torch.no_grad():
+        assert rel_err(compiled(ids).logits, model(ids).logits) < 1e-5
+        gen = dict(max_new_tokens=5, do_sample=False)
+        assert torch.equal(compiled.generate(ids, **gen), model.generate(ids, **gen))
+    torch._dynamo.reset()
+
+
+def test_mamba1_with_weightless_bcdt_norms_rewritten():
+    """FalconMamba: Mamba1 with RMS norms on B, C and dt that hold no weight (their epsilon is ``eps``)."""
+    def build():
+        cfg = transformers.AutoConfig.for_model(
+            "falcon_mamba", vocab_size=256, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+            conv_kernel=4, time_step_rank=4, mixer_rms_eps=1e-3)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        zoo._randomize_zero_init(model, 0)
+        return model
+    model = build()
+    ids = prompt(model, 2, 9)
+    regions = ssm_statuses(model, ids, generate_tokens=3)
+    assert len(regions) == 2 and all(r["status"] == "rewritten" for r in regions.values()), regions
+    compiled = compile_forward(build(), {"inductor": False})
+    with torch.no_grad():
+        assert rel_err(compiled(ids).logits, model(ids).logits) < 1e-5
+        gen = dict(max_new_tokens=5, do_sample=False)
+        assert torch.equal(compiled.generate(ids, **gen), model.generate(ids, **gen))
+    torch._dynamo.reset()

@@ -167,11 +167,11 @@ def _mamba_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_p
                  conv_w: Tensor, conv_b: Optional[Tensor], x_proj_w: Tensor, dt_proj_w: Tensor,
                  dt_proj_b: Optional[Tensor], A_log: Tensor, D: Tensor, out_proj_w: Tensor,
                  out_proj_b: Optional[Tensor], dt_norm_w: Optional[Tensor], b_norm_w: Optional[Tensor],
-                 c_norm_w: Optional[Tensor], norm_eps: float, state_width: int) -> tuple[Tensor, Tensor, Tensor]:
+                 c_norm_w: Optional[Tensor], norm_eps: float, bcdt_norm: bool, state_width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mamba1 mixer prefill: hidden [B, T, Hd] -> (out, conv_state [B, D, W], ssm_state [B, D, N] fp32)."""
     w = Mamba1Weights(in_proj_w, in_proj_b, conv_w, conv_b, x_proj_w, dt_proj_w, dt_proj_b, A_log, D, out_proj_w,
                       out_proj_b, dt_norm_w, b_norm_w, c_norm_w)
-    return mixer.mamba1_prefill(hidden, mask, w, norm_eps, state_width)
+    return mixer.mamba1_prefill(hidden, mask, w, norm_eps if bcdt_norm else None, state_width)
 
 
 @torch.library.triton_op(op_name("mamba_mixer_step"), mutates_args={"conv_state", "ssm_state"})
@@ -179,37 +179,41 @@ def _mamba_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor,
                       conv_w: Tensor, conv_b: Optional[Tensor], x_proj_w: Tensor, dt_proj_w: Tensor,
                       dt_proj_b: Optional[Tensor], A_log: Tensor, D: Tensor, out_proj_w: Tensor,
                       out_proj_b: Optional[Tensor], dt_norm_w: Optional[Tensor], b_norm_w: Optional[Tensor],
-                      c_norm_w: Optional[Tensor], norm_eps: float, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+                      c_norm_w: Optional[Tensor], norm_eps: float, bcdt_norm: bool, conv_state: Tensor,
+                      ssm_state: Tensor) -> Tensor:
     """Mamba1 mixer decode: hidden [B, 1, Hd]; conv_state [B, D, W] and ssm_state [B, D, N] updated in place."""
     w = Mamba1Weights(in_proj_w, in_proj_b, conv_w, conv_b, x_proj_w, dt_proj_w, dt_proj_b, A_log, D, out_proj_w,
                       out_proj_b, dt_norm_w, b_norm_w, c_norm_w)
-    return mixer.mamba1_step(hidden, mask, w, norm_eps, conv_state, ssm_state)
+    return mixer.mamba1_step(hidden, mask, w, norm_eps if bcdt_norm else None, conv_state, ssm_state)
 
 
 @torch.library.triton_op(op_name("mamba2_mixer"), mutates_args={})
 def _mamba2_mixer(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
                   conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
-                  norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
-                  chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float,
-                  state_width: int) -> tuple[Tensor, Tensor, Tensor]:
+                  norm_w: Optional[Tensor], out_proj_w: Tensor, out_proj_b: Optional[Tensor],
+                  proj_mult: Optional[Tensor], head_dim: int, groups: int, in_mult: float, chunk_size: int, eps: float,
+                  norm_group: int, dt_min: float, dt_max: float, state_width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mamba2 mixer prefill: hidden [B, T, Hd] -> (out, conv_state [B, C, W], ssm_state [B, H, P, N] fp32)."""
-    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b)
-    return mixer.mamba2_prefill(hidden, mask, w, head_dim, groups, chunk_size, eps, norm_group, dt_min, dt_max,
-                                state_width)
+    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b,
+                      proj_mult)
+    return mixer.mamba2_prefill(hidden, mask, w, head_dim, groups, in_mult, chunk_size, eps, norm_group, dt_min,
+                                dt_max, state_width)
 
 
 @torch.library.triton_op(op_name("mamba2_mixer_chunk"), mutates_args={"conv_state", "ssm_state"})
 def _mamba2_mixer_chunk(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
                         conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
-                        norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
-                        chunk_size: int, eps: float, norm_group: int, dt_min: float, dt_max: float,
-                        conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+                        norm_w: Optional[Tensor], out_proj_w: Tensor, out_proj_b: Optional[Tensor],
+                        proj_mult: Optional[Tensor], head_dim: int, groups: int, in_mult: float, chunk_size: int,
+                        eps: float, norm_group: int, dt_min: float, dt_max: float, conv_state: Tensor,
+                        ssm_state: Tensor) -> Tensor:
     """Mamba2 mixer over T tokens that continue a cached sequence (a prefill chunk after the first): hidden
     [B, T, Hd] -> out; conv_state [B, C, W] and ssm_state [B, H, P, N] hold the states before the chunk and are
     updated in place to the states after it, as HF's cache does."""
-    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b)
-    out, conv, ssm = mixer.mamba2_prefill(hidden, mask, w, head_dim, groups, chunk_size, eps, norm_group, dt_min,
-                                          dt_max, conv_state.shape[-1], conv_state, ssm_state)
+    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b,
+                      proj_mult)
+    out, conv, ssm = mixer.mamba2_prefill(hidden, mask, w, head_dim, groups, in_mult, chunk_size, eps, norm_group,
+                                          dt_min, dt_max, conv_state.shape[-1], conv_state, ssm_state)
     conv_state.copy_(conv)
     ssm_state.copy_(ssm)
     return out
@@ -218,11 +222,13 @@ def _mamba2_mixer_chunk(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tenso
 @torch.library.triton_op(op_name("mamba2_mixer_step"), mutates_args={"conv_state", "ssm_state"})
 def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor, in_proj_b: Optional[Tensor],
                        conv_w: Tensor, conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor,
-                       norm_w: Tensor, out_proj_w: Tensor, out_proj_b: Optional[Tensor], head_dim: int, groups: int,
-                       eps: float, norm_group: int, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
+                       norm_w: Optional[Tensor], out_proj_w: Tensor, out_proj_b: Optional[Tensor],
+                       proj_mult: Optional[Tensor], head_dim: int, groups: int, in_mult: float, eps: float,
+                       norm_group: int, conv_state: Tensor, ssm_state: Tensor) -> Tensor:
     """Mamba2 mixer decode: hidden [B, 1, Hd]; conv_state [B, C, W] and ssm_state [B, H, P, N] in place."""
-    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b)
-    return mixer.mamba2_step(hidden, mask, w, head_dim, groups, eps, norm_group, conv_state, ssm_state)
+    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b,
+                      proj_mult)
+    return mixer.mamba2_step(hidden, mask, w, head_dim, groups, in_mult, eps, norm_group, conv_state, ssm_state)
 
 
 def _selective_scan_fake(u, delta, A, *args):

@@ -21,7 +21,7 @@ class Mamba1Weights(NamedTuple):
     D: Any
     out_proj_w: Any
     out_proj_b: Any
-    dt_norm_w: Any = None  # RMSNorms of dt / B / C (Jamba / FalconMamba style), absent in Mamba1 itself
+    dt_norm_w: Any = None  # scales of the RMSNorms of dt / B / C (Jamba style); None: unit scale
     b_norm_w: Any = None
     c_norm_w: Any = None
 
@@ -30,12 +30,13 @@ class Mamba1Weights(NamedTuple):
 class Mamba1Spec:
     """``hybrid::mamba_mixer`` (prefill) and ``hybrid::mamba_mixer_step`` (decode)."""
     norm_eps: float = 1e-6
+    bcdt_norm: bool = False  # dt, B and C are RMS-normalised (Jamba, FalconMamba); Mamba1 itself has no norms
 
     def prefill_args(self, hidden, mask, w: Mamba1Weights, state_width: int) -> tuple:
-        return (hidden, mask, *w, float(self.norm_eps), int(state_width))
+        return (hidden, mask, *w, float(self.norm_eps), bool(self.bcdt_norm), int(state_width))
 
     def step_args(self, hidden, mask, w: Mamba1Weights, conv_state, ssm_state) -> tuple:
-        return (hidden, mask, *w, float(self.norm_eps), conv_state, ssm_state)
+        return (hidden, mask, *w, float(self.norm_eps), bool(self.bcdt_norm), conv_state, ssm_state)
 
 
 class Mamba2Weights(NamedTuple):
@@ -46,16 +47,18 @@ class Mamba2Weights(NamedTuple):
     dt_bias: Any
     A_log: Any
     D: Any
-    norm_w: Any
+    norm_w: Any              # the gated RMSNorm's weight; None: no norm, the output is gated as y * silu(z)
     out_proj_w: Any
     out_proj_b: Any
+    proj_mult: Any = None    # per-channel multipliers of the in projection's output (Falcon-H1's mup_vector)
 
 
 @dataclass(frozen=True)
 class Mamba2Spec:
     """``hybrid::mamba2_mixer`` (prefill), ``hybrid::mamba2_mixer_chunk`` (a prefill chunk continuing from cached
     states) and ``hybrid::mamba2_mixer_step`` (decode). ``norm_group``: the gated norm's group size; ``dt_min`` /
-    ``dt_max``: the time-step limit the prefill clamps dt to (HF's decode does not clamp)."""
+    ``dt_max``: the time-step limit the prefill clamps dt to (HF's decode does not clamp); ``in_mult``: a multiplier
+    of the mixer's input (Falcon-H1's ssm_in_multiplier)."""
     head_dim: int
     groups: int
     chunk_size: int
@@ -63,9 +66,10 @@ class Mamba2Spec:
     norm_group: int
     dt_min: float = 0.0
     dt_max: float = float("inf")
+    in_mult: float = 1.0
 
     def _core(self) -> tuple:
-        return int(self.head_dim), int(self.groups)
+        return int(self.head_dim), int(self.groups), float(self.in_mult)
 
     def prefill_args(self, hidden, mask, w: Mamba2Weights, state_width: int) -> tuple:
         return (hidden, mask, *w, *self._core(), int(self.chunk_size), float(self.eps), int(self.norm_group),
