@@ -11,20 +11,21 @@ A block that matches none of the known forms is left to Inductor with the reason
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
 from torch import fx
 
-from graphs.modules import MOE, experts_weights, moe_parts, node_module_keys
+from graphs.modules import MOE, experts_weights, moe_parts, node_module_keys, router_linear, router_weight
 from graphs.regions import Region, Rewrite, node_value
 from kernels.moe import reference
 from kernels.moe.reference import METHODS
-from kernels.moe.spec import ExpertsSpec, MoESpec, RouteSpec
+from kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
 from kernels.numerics import close
 
 from .base import PassContext, RegionPass, Skip, eager_probe
-from .probes import identify_activation
+from .probes import identify_experts
 
 
 def _probe_input(w: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
@@ -55,51 +56,90 @@ def _same_routing(w, ids, ref_w, ref_ids, dtype) -> bool:
     return close(w, ref_w, dtype, tol=1e-5 if dtype == torch.float32 else 2e-2)[0]
 
 
-def _candidates(router, bias, num_experts: int, top_k: int) -> list[RouteSpec]:
-    scales = sorted({float(getattr(router, "routed_scaling_factor", 1.0) or 1.0), 1.0}, reverse=True)
-    n_group = int(getattr(router, "n_group", None) or getattr(router, "num_group", None) or 1)
-    topk_group = int(getattr(router, "topk_group", None) or 1)
+#: attribute names of a routed scaling factor, on the router or the block
+_SCALES = ("routed_scaling_factor", "route_scale", "routed_scale", "router_scale")
+
+
+def _scales(owner) -> list[float]:
+    """The routed scaling factors an owner (router or block) holds."""
+    return [float(v) for n in _SCALES if isinstance(v := getattr(owner, n, None), (int, float))
+            and not isinstance(v, bool) and v and v != 1]
+
+
+def _candidates(owners, bias, num_experts: int, top_k: int) -> list[RouteSpec]:
+    """The routing variants to try, from the attributes of ``owners`` (the router, then the block)."""
+    def attr(*names):
+        return next((getattr(o, n) for o in owners for n in names if getattr(o, n, None) is not None), None)
+    scales = sorted({f for o in owners for f in _scales(o)} | {1.0}, reverse=True)
+    n_group = int(attr("n_group", "num_group") or 1)
+    topk_group = int(attr("topk_group") or 1)
     out = []
     for method, renorm, scale, fp32 in itertools.product(METHODS, (False, True), scales, (True, False)):
-        grouped = "group" in method
-        if grouped and (n_group <= 1 or num_experts % n_group):
+        # sigmoid routing with one group is plain sigmoid top-k (with or without a correction bias); softmax routing
+        # with one group is softmax_topk itself
+        groups = n_group if "group" in method else 1
+        if num_experts % groups or (method == "softmax_group_topk" and groups <= 1) or (
+                method == "softmax_bias_topk" and bias is None):
             continue
-        if "sigmoid" in method and bias is None:
-            continue
-        out.append(RouteSpec(method, top_k, renorm, scale, n_group if grouped else 1, topk_group if grouped else 1,
-                             fp32))
+        out.append(RouteSpec(method, top_k, renorm, scale, groups, min(topk_group, groups), fp32))
     return out
 
 
-def identify_routing(router: torch.nn.Module, bias: torch.Tensor | None, num_experts: int,
-                     top_k: int | None) -> list[RouteSpec]:
+def _logit_bias(linear: torch.nn.Module, num_experts: int) -> torch.Tensor | None:
+    """The router linear's own bias [E] (a bare ``bias`` next to the weight), or None."""
+    b = getattr(linear, "bias", None)
+    return b if isinstance(b, torch.Tensor) and tuple(b.shape) == (num_experts,) else None
+
+
+def _correction_bias(block, router, linear, experts, num_experts: int) -> torch.Tensor | None:
+    """The score-correction bias: a tensor of E values held by the router (or a child of it) or by the block itself,
+    other than the router linear's own bias (``e_score_correction_bias``, ``expert_bias``); None without one, Skip
+    when several could be it."""
+    own = _logit_bias(linear, num_experts)
+    found = {id(t): t for t in [*router.parameters(), *router.buffers(), *block.parameters(recurse=False),
+                                *block.buffers(recurse=False)]
+             if t.numel() == num_experts and t.dim() <= 2 and t is not own}
+    if len(found) > 1:
+        raise Skip("more than one tensor of one value per expert in the router / block: which is the correction "
+                   "bias is not known")
+    return next(iter(found.values()), None)
+
+
+def identify_routing(router: torch.nn.Module, linear: torch.nn.Module, bias: torch.Tensor | None, num_experts: int,
+                     top_k: int | None, owners: tuple = ()) -> list[RouteSpec]:
     """The routing variants this router may compute, most likely first.
 
     When the router returns (weights, ids) they are compared with our reference on probe inputs and only
     the matching variant is returned; when it returns bare logits (routing done in the block's own code),
     every candidate is returned and the whole-block check decides.
     """
-    w = router.weight
+    w = linear.weight
     x = _probe_input(w, 48, seed=1234)
-    with eager_probe():
-        outs = router(x)
     try:
+        with eager_probe():
+            outs = router(x)
         weights, ids = _router_outputs(outs, 48, num_experts)
-    except Skip:
+    except (Skip, TypeError):  # bare logits, or a router called with more than the input: the block check decides
         if top_k is None:
             raise Skip("router returns no top-k and the block declares no top_k; routing variant unknown")
-        return _candidates(router, bias, num_experts, top_k)
-    for spec in _candidates(router, bias, num_experts, ids.shape[1]):
-        logits = reference.router_logits(x, w, spec.router_fp32)
+        return _candidates(owners, bias, num_experts, top_k)
+    for spec in _candidates(owners, bias, num_experts, ids.shape[1]):
+        logits = reference.router_logits(x, w, spec.router_fp32, _logit_bias(linear, num_experts))
         try:
-            ref_w, ref_ids = reference.route(logits, bias.float() if "sigmoid" in spec.method else None,
+            ref_w, ref_ids = reference.route(logits, bias.float() if spec.uses_bias and bias is not None else None,
                                              **spec.kwargs())
         except (ValueError, RuntimeError):
             continue
         if _same_routing(weights, ids, ref_w, ref_ids, w.dtype):
             return [spec]
     raise Skip("router matches none of the known routing variants (softmax->top-k, top-k->softmax, "
-               "sigmoid+bias group-limited, softmax group-limited)")
+               "sigmoid (+ correction bias, group-limited or not), softmax group-limited)")
+
+
+def _sizes(experts, weights) -> tuple[int, int]:
+    """(experts, hidden size) of an experts module's 3-D weights."""
+    down = weights["down_proj"]
+    return down.shape[0], down.shape[2] if getattr(experts, "is_transposed", False) else down.shape[1]
 
 
 class FuseMoE(RegionPass):
@@ -108,27 +148,27 @@ class FuseMoE(RegionPass):
 
     def required_params(self, module):
         router, experts = moe_parts(module)
-        params = [(f"{router}.weight", getattr(module, router).weight)]
-        params += [(f"{experts}.{n}", p) for n, p in experts_weights(getattr(module, experts)).items()]
+        w = experts_weights(getattr(module, experts))
+        params = [(f"{router} weight", router_weight(getattr(module, router), *_sizes(getattr(module, experts), w)))]
+        params += [(f"{experts}.{n}", p) for n, p in w.items()]
         return params
 
     def plan(self, ctx: PassContext, region: Region) -> Rewrite:
         block = region.module
         router_name, experts_name = moe_parts(block)
         router, experts = getattr(block, router_name), getattr(block, experts_name)
-        for flag, why in (("has_bias", "expert biases"), ("is_transposed", "transposed expert weights"),
-                          ("has_post_expert_norm", "a post-expert norm"), ("_is_expert_parallel", "expert parallel")):
+        for flag, why in (("has_post_expert_norm", "a post-expert norm"), ("_is_expert_parallel", "expert parallel")):
             if getattr(experts, flag, False):
                 raise Skip(f"experts with {why} are not supported by hybrid::moe yet")
-        weights = experts_weights(experts)
-        gated = "gate_up_proj" in weights
-        w13 = weights["gate_up_proj" if gated else "up_proj"]
-        num_experts = w13.shape[0]
-        bias = getattr(router, "e_score_correction_bias", None)
+        live = self._weights(block, router, experts)
+        num_experts = live.w13.shape[0]
         top_k = getattr(block, "top_k", None) or getattr(router, "top_k", None)
-        specs = identify_routing(router, bias, num_experts, top_k)
-        activation = identify_activation(getattr(experts, "act_fn", None))
-        interleaved = not getattr(experts, "is_concatenated", True)
+        linear = router_linear(router, *_sizes(experts, experts_weights(experts)))
+        routes = identify_routing(router, linear, live.router_bias, num_experts, top_k, owners=(router, block))
+        # a block may scale the routed output itself (a routed scaling factor applied after aggregation)
+        routes = list(dict.fromkeys(dataclasses.replace(r, scale=r.scale * f) for r in routes
+                                    for f in [1.0, *_scales(block)]))
+        experts_spec = identify_experts(experts, "gate_up_proj" in experts_weights(experts))
         shared_mlp, shared_gate = self._shared_children(block, router_name, experts_name)
 
         # Graph side: the shared expert (and its gate) stay in the graph; their outputs feed the op.
@@ -142,19 +182,37 @@ class FuseMoE(RegionPass):
         shared_nodes = [self._child_output(region, keep, c) if c is not None else None
                         for c in (shared_mlp, shared_gate)]
         x = self._activation_input(ctx, region, exclude=set(shared_nodes))  # the block input, unreshaped
-        spec = self._check_block(block, specs, ExpertsSpec(gated, interleaved, activation), bias, router, w13,
-                                 weights["down_proj"], shared_mlp, shared_gate)
+        spec = self._check_block(block, routes, experts_spec, live, shared_mlp, shared_gate)
+        live = spec._tensors(live)  # the correction bias only where the routing reads it
 
-        params = [ctx.param_node(t) for t in (router.weight, w13, weights["down_proj"])]
-        bias_node = ctx.param_node(bias) if bias is not None and spec.route.uses_bias else None
-        if bias is not None and spec.route.uses_bias and bias_node is None:
-            raise Skip("score-correction bias is not an input of this graph")
-        args = spec.block_args(x, params[0], bias_node, params[1], params[2], *shared_nodes)
+        def node(name, t):
+            n = ctx.param_node(t)
+            if t is not None and n is None:
+                raise Skip(f"the block's {name} is not an input of this graph")
+            return n
+        args = spec.block_args(x, MoEWeights(*(node(f, t) for f, t in zip(MoEWeights._fields, live))), *shared_nodes)
         note = (f"{spec.describe()}{', shared expert' if shared_mlp is not None else ''}"
                 f"{' (sigmoid-gated)' if shared_gate is not None else ''}")
         return Rewrite(torch.ops.hybrid.moe_block.default, args, {}, {outputs[0]: None}, note=note, nodes=nodes)
 
     # -- pieces -------------------------------------------------------------------------------------
+    @staticmethod
+    def _weights(block, router, experts) -> MoEWeights:
+        """The block's live tensors: router weight, its own bias, the correction bias, expert weights and biases."""
+        weights = experts_weights(experts)
+        linear = router_linear(router, *_sizes(experts, weights))
+        gated = "gate_up_proj" in weights
+        w13 = weights["gate_up_proj" if gated else "up_proj"]
+        b13 = b2 = None
+        if getattr(experts, "has_bias", False):
+            b13 = getattr(experts, "gate_up_proj_bias" if gated else "up_proj_bias", None)
+            b2 = getattr(experts, "down_proj_bias", None)
+            if b13 is None or b2 is None:
+                raise Skip("experts with biases whose names are not gate_up_proj_bias / up_proj_bias and down_proj_bias")
+        num = w13.shape[0]
+        return MoEWeights(linear.weight, _logit_bias(linear, num), _correction_bias(block, router, linear, experts, num),
+                          w13, weights["down_proj"], b13, b2)
+
     @staticmethod
     def _shared_children(block, router_name, experts_name):
         others = [(n, c) for n, c in block.named_children()
@@ -198,9 +256,9 @@ class FuseMoE(RegionPass):
         return acts[0]
 
     @staticmethod
-    def _check_block(block, routes, experts, bias, router, w13, w2, shared_mlp, shared_gate) -> MoESpec:
+    def _check_block(block, routes, experts: ExpertsSpec, live: MoEWeights, shared_mlp, shared_gate) -> MoESpec:
         """The eager block on a probe batch must equal our reference composition of the parts."""
-        x = _probe_input(router.weight, 12, seed=4321).to(w13.dtype).view(1, 12, -1)
+        x = _probe_input(live.router_w, 12, seed=4321).to(live.w13.dtype).view(1, 12, -1)
         flat = x.view(12, -1)
         with eager_probe():
             expected = block(x)
@@ -213,11 +271,14 @@ class FuseMoE(RegionPass):
             msg = ""
             for route in routes:
                 spec = MoESpec(route, experts)
-                ours = reference.moe(flat, router.weight, bias if route.uses_bias else None, w13, w2, **spec.kwargs())
+                w = spec._tensors(live)
+                w13, w2 = (w.w13.transpose(1, 2), w.w2.transpose(1, 2)) if experts.transposed else (w.w13, w.w2)
+                ours = reference.moe(flat, w.router_w, w.router_bias, w13, w2, **spec.kwargs(),
+                                     router_logit_bias=w.router_logit_bias, b13=w.b13, b2=w.b2)
                 if shared is not None:
                     ours = ours + shared
-                ok, msg = close(ours.view_as(expected), expected, w13.dtype,
-                                tol=1e-4 if w13.dtype == torch.float32 else 3e-2)
+                ok, msg = close(ours.view_as(expected), expected, live.w13.dtype,
+                                tol=1e-4 if live.w13.dtype == torch.float32 else 3e-2)
                 if ok:
                     return spec
         if len(routes) > 1:

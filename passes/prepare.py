@@ -31,8 +31,8 @@ import torch
 
 from graphs.modules import experts_weights, is_mamba1_mixer
 
-from .base import PassContext
-from .probes import identify_activation
+from .base import PassContext, Skip
+from .probes import identify_experts
 
 EXPERTS_NAME = "hybrid"
 SCAN_NAME = "mamba_selective_scan"
@@ -42,14 +42,17 @@ SCAN_NAME = "mamba_selective_scan"
 def hybrid_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF experts-function signature: hidden [T, H], ids [T, k], weights [T, k] -> [T, H]."""
-    act = getattr(self, "_hybrid_activation", None)
-    if act is None:
-        act = self._hybrid_activation = identify_activation(getattr(self, "act_fn", None))
     gated = getattr(self, "has_gate", True)
+    spec = getattr(self, "_hybrid_experts", None)
+    if spec is None:
+        spec = self._hybrid_experts = identify_experts(self, gated)
     w13 = self.gate_up_proj if gated else self.up_proj
+    b13 = b2 = None
+    if getattr(self, "has_bias", False):
+        b13, b2 = getattr(self, "gate_up_proj_bias" if gated else "up_proj_bias"), self.down_proj_bias
     # the run-time twin: opaque to dynamo, so the token count never becomes a guard
-    return torch.ops.hybrid.moe_experts_rt(hidden_states, w13, self.down_proj, top_k_weights.float(), top_k_index,
-                                           gated, not getattr(self, "is_concatenated", True), act)
+    return torch.ops.hybrid.moe_experts_rt(hidden_states, w13, self.down_proj, b13, b2, top_k_weights.float(),
+                                           top_k_index, *spec.static())
 
 
 def register_experts() -> bool:
@@ -84,11 +87,17 @@ def _adopt_eager_experts(ctx: PassContext) -> str:
         experts = [o for o in gc.get_objects() if _is_experts_of(o, set(configs))]
     if not experts:
         return ""
-    unsupported = any(getattr(e, f, False) for e in experts for f in ("has_bias", "is_transposed",
-                                                                       "has_post_expert_norm"))
-    if unsupported or not register_experts():
+    why = next((f for e in experts for f in ("has_post_expert_norm", "_is_expert_parallel") if getattr(e, f, False)),
+               None)
+    for e in experts if why is None else ():
+        try:  # the experts' math, proven once per module (hybrid_experts_forward reads it)
+            e._hybrid_experts = identify_experts(e, getattr(e, "has_gate", True))
+        except Skip as skip:
+            why = str(skip)
+            break
+    if why is not None or not register_experts():
         return (f"experts implementation 'eager' breaks the graph in every MoE block ({len(experts)} experts modules) "
-                "and these experts are not supported by hybrid: left as they are")
+                f"and these experts are not supported by hybrid ({why or 'no experts interface'}): left as they are")
     for cfg in configs.values():
         cfg._experts_implementation = EXPERTS_NAME
     ctx.retrace = True

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from kernels.linear.reference import add_rms_norm_ref
+from kernels.moe import reference as moe_reference
 from kernels.moe.reference import ACTIVATIONS, activation_fn
+from kernels.moe.spec import ExpertsSpec
 from kernels.numerics import close
 
 from .base import Skip, eager_probe
@@ -50,3 +52,28 @@ def rmsnorm_problem(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str |
     want = add_rms_norm_ref(x, None, w, eps, False, got.dtype)[0]
     ok, msg = close(got, want, dtype, tol=1e-5 if dtype == torch.float32 else 1e-2)
     return None if ok else f"its math is not RMSNorm's w * (x * rsqrt(mean(x^2) + eps)) ({msg})"
+
+
+def identify_experts(experts: torch.nn.Module, gated: bool) -> ExpertsSpec:
+    """How the experts combine gate and up (HF's ``_apply_gate``: act_fn(gate) * up by default, clamped SwiGLU in
+    gpt-oss), proven on a probe of the live method; ungated experts: their ``act_fn``."""
+    transposed = bool(getattr(experts, "is_transposed", False))
+    concatenated = bool(getattr(experts, "is_concatenated", True))
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if not gated or apply_gate is None:
+        return ExpertsSpec(gated, gated and not concatenated, identify_activation(getattr(experts, "act_fn", None)),
+                           transposed)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    t = torch.randn(5, 24, generator=g) * 4
+    with eager_probe():
+        got = apply_gate(t)
+    alpha, limit = float(getattr(experts, "alpha", 1.0)), float(getattr(experts, "limit", float("inf")))
+    for interleaved in (not concatenated, concatenated):
+        for act in ACTIVATIONS:
+            cand = ExpertsSpec(True, interleaved, act, transposed, *((alpha, limit) if act == "swiglu_clamp" else ()))
+            want = moe_reference.glu(*moe_reference.split_gate_up(t, interleaved), act, cand.alpha, cand.limit)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, atol=1e-5,
+                                                                                              rtol=1e-5):
+                return cand
+    raise Skip(f"the experts' gate ({type(experts).__name__}._apply_gate) is none of act(gate) * up for "
+               f"{', '.join(ACTIVATIONS)}")

@@ -11,6 +11,8 @@ Routing methods (each exactly as Hugging Face computes it; ``scale`` = routed sc
         (-> / (sum + 1e-20) when ``renormalize``) * scale.
   - ``softmax_group_topk``: DeepSeek-V2 "group_limited_greedy": p = softmax; a group scores its max p; keep
         ``topk_group`` groups (the others' p set to 0.0); top-k -> ids, weights = p at ids * scale.
+  - ``softmax_bias_topk``: ERNIE-4.5 MoE: p = softmax; top-k of p + bias -> ids; weights = p at ids
+        (-> / (sum + 1e-20) when ``renormalize``) * scale.
 
 Memory traffic of ``experts`` (the fused kernel's roofline): every touched expert's weights once,
 3 * H * I elements per expert (gated), plus x [T, H] and out [T, H].
@@ -20,8 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk")
+#: activations of the experts: act(gate) * up (gated) or act(up); "swiglu_clamp" (gated only, gpt-oss):
+#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp")
 
 
 def check_route_args(num_experts: int, method: str, top_k: int, n_group: int, topk_group: int) -> None:
@@ -61,11 +65,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
     elif method == "topk_softmax":
         top, ids = torch.topk(logits, top_k, dim=-1)
         weights = top.softmax(dim=-1)  # already sums to 1: renormalize is a no-op
-    elif method == "sigmoid_group_topk":
-        scores = logits.sigmoid()
-        choice = scores + bias.float() if bias is not None else scores
-        keep = _group_mask(choice, n_group, topk_group, top2=True)
-        choice = choice.masked_fill(~keep, float("-inf"))
+    elif method in ("sigmoid_group_topk", "softmax_bias_topk"):
+        scores = logits.sigmoid() if method == "sigmoid_group_topk" else logits.softmax(dim=-1)
+        choice = scores + bias.float().reshape(-1) if bias is not None else scores
+        if method == "sigmoid_group_topk":
+            keep = _group_mask(choice, n_group, topk_group, top2=True)
+            choice = choice.masked_fill(~keep, float("-inf"))
         ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if renormalize:
@@ -81,6 +86,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
 
 
 def activation_fn(name: str):
+    """act(x) of the elementwise activations (``swiglu_clamp`` combines gate and up: ``glu``)."""
     if name == "silu":
         return F.silu
     if name == "gelu":
@@ -92,6 +98,14 @@ def activation_fn(name: str):
     raise ValueError(f"unknown MoE activation {name!r}; expected one of {ACTIVATIONS}")
 
 
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """The gated experts' product of gate and up (fp32 in, fp32 out)."""
+    if activation == "swiglu_clamp":
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(g * alpha)
+    return activation_fn(activation)(gate) * up
+
+
 def split_gate_up(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[.., 2I] -> gate [.., I], up [.., I] (concatenated [gate; up] or interleaved g0 u0 g1 u1 ...)."""
     if interleaved:
@@ -100,12 +114,13 @@ def split_gate_up(h: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, tor
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
-            gated: bool, interleaved: bool, activation: str) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gated) or [E, I, H], w2 [E, H, I], weights [T, k], ids [T, k] -> [T, H] x.dtype.
+            gated: bool, interleaved: bool, activation: str, b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, alpha: float = 1.0, limit: float = float("inf")) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gated) or [E, I, H], w2 [E, H, I], weights [T, k], ids [T, k] -> [T, H] x.dtype;
+    optional biases b13 [E, 2I | I] (before the activation) and b2 [E, H] (before the routing weight).
 
     Dense over experts: every expert runs on every token and a per-token coefficient (the routing weight, or 0)
     selects. E/k times the FLOPs of a sparse loop, but shape-static (the CPU fallback and the fake impl)."""
-    act = activation_fn(activation)
     E = w13.shape[0]
     xf = x.float()
     wf = weights.float()
@@ -113,27 +128,36 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     for e in range(E):
         coef = (wf * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
         h = xf @ w13[e].float().t()
+        if b13 is not None:
+            h = h + b13[e].float()
         if gated:
-            gate, up = split_gate_up(h, interleaved)
-            a = act(gate) * up
+            a = glu(*split_gate_up(h, interleaved), activation, alpha, limit)
         else:
-            a = act(h)
-        out = out + coef * (a @ w2[e].float().t())
+            a = activation_fn(activation)(h)
+        y = a @ w2[e].float().t()
+        if b2 is not None:
+            y = y + b2[e].float()
+        out = out + coef * y
     return out.to(x.dtype)
 
 
-def router_logits(x: torch.Tensor, router_w: torch.Tensor, router_fp32: bool) -> torch.Tensor:
-    """fp32 [T, E]: in fp32 (DeepSeek) or in x.dtype then widened (Mixtral, Qwen3Moe, Jamba)."""
+def router_logits(x: torch.Tensor, router_w: torch.Tensor, router_fp32: bool,
+                  logit_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [T, E]: in fp32 (DeepSeek) or in x.dtype then widened (Mixtral, Qwen3Moe, Jamba); ``logit_bias`` [E]: a
+    router whose linear has a bias (gpt-oss)."""
     if router_fp32:
-        return F.linear(x.float(), router_w.float())
-    return F.linear(x, router_w.to(x.dtype)).float()
+        return F.linear(x.float(), router_w.float(), None if logit_bias is None else logit_bias.float())
+    return F.linear(x, router_w.to(x.dtype), None if logit_bias is None else logit_bias.to(x.dtype)).float()
 
 
 def moe(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
         w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
-        topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool) -> torch.Tensor:
+        topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
+        router_logit_bias: torch.Tensor | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+        alpha: float = 1.0, limit: float = float("inf")) -> torch.Tensor:
     """Routed experts of one MoE block: x [T, H] -> [T, H] (shared experts are not part of it)."""
-    logits = router_logits(x, router_w, router_fp32)
+    logits = router_logits(x, router_w, router_fp32, router_logit_bias)
     weights, ids = route(logits, router_bias, method=method, top_k=top_k, renormalize=renormalize, scale=scale,
                          n_group=n_group, topk_group=topk_group)
-    return experts(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation)
+    return experts(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation, b13=b13,
+                   b2=b2, alpha=alpha, limit=limit)

@@ -1,14 +1,25 @@
 """One description of an MoE block variant, shared by the pass that finds it, the probe that proves it, the op that
 runs it and the kernels' branch choices: how the router turns logits into (weights, ids) (``RouteSpec``) and how
-the experts compute (``ExpertsSpec``). ``MoESpec`` builds the positional arguments of ``hybrid::moe`` and
-``hybrid::moe_block`` in schema order from whatever the tensors are (live tensors or graph nodes); the order is
-written here and in the op signatures in ops.py, nowhere else.
+the experts compute (``ExpertsSpec``); the block's tensors in one named tuple (``MoEWeights``). ``MoESpec`` builds the
+positional arguments of ``hybrid::moe`` and ``hybrid::moe_block`` in schema order from whatever the tensors are (live
+tensors or graph nodes); the order is written here and in the op signatures in ops.py, nowhere else.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .reference import ACTIVATIONS, METHODS
+
+
+class MoEWeights(NamedTuple):
+    router_w: Any                  # [E, H]
+    router_logit_bias: Any = None  # [E]: the router linear's own bias (gpt-oss)
+    router_bias: Any = None        # [E]: the score-correction bias of sigmoid routing (DeepSeek-V3)
+    w13: Any = None                # [E, 2I | I, H] (or [E, H, 2I | I] with ExpertsSpec.transposed)
+    w2: Any = None                 # [E, H, I] (or [E, I, H] transposed)
+    b13: Any = None                # [E, 2I | I]: gate / up biases
+    b2: Any = None                 # [E, H]: down biases
 
 
 @dataclass(frozen=True)
@@ -29,13 +40,17 @@ class RouteSpec:
 
     @property
     def uses_bias(self) -> bool:
-        """Whether the router's score-correction bias enters the choice (sigmoid routing)."""
-        return "sigmoid" in self.method
+        """Whether the router's score-correction bias enters the choice."""
+        return self.method in ("sigmoid_group_topk", "softmax_bias_topk")
 
     def kwargs(self) -> dict:
         """Keyword arguments of ``reference.route`` and the Triton routing launchers."""
         return dict(method=self.method, top_k=self.top_k, renormalize=self.renormalize, scale=float(self.scale),
                     n_group=self.n_group, topk_group=self.topk_group)
+
+    def static(self) -> tuple:
+        return (self.method, int(self.top_k), bool(self.renormalize), float(self.scale), int(self.n_group),
+                int(self.topk_group), bool(self.router_fp32))
 
     def describe(self) -> str:
         return (f"{self.method}, top-{self.top_k}{', renormalised' if self.renormalize else ''}"
@@ -44,18 +59,34 @@ class RouteSpec:
 
 @dataclass(frozen=True)
 class ExpertsSpec:
-    """The experts: a fused gate + up weight ``[E, 2I, H]`` (``gated``; halves ``interleaved`` or concatenated) or an
-    up weight alone, and the activation (reference.ACTIVATIONS)."""
+    """The experts: a fused gate + up weight (``gated``; halves ``interleaved`` or concatenated) or an up weight alone,
+    the activation (reference.ACTIVATIONS, with ``alpha`` / ``limit`` for swiglu_clamp), and whether the weights are
+    stored transposed ([E, in, out])."""
     gated: bool = True
     interleaved: bool = False
     activation: str = "silu"
+    transposed: bool = False
+    alpha: float = 1.0
+    limit: float = float("inf")
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown expert activation {self.activation!r}; expected one of {ACTIVATIONS}")
+        if self.activation == "swiglu_clamp" and not self.gated:
+            raise ValueError("the swiglu_clamp activation needs gated experts")
 
     def kwargs(self) -> dict:
-        return dict(gated=self.gated, interleaved=self.interleaved, activation=self.activation)
+        return dict(gated=self.gated, interleaved=self.interleaved, activation=self.activation, alpha=float(self.alpha),
+                    limit=float(self.limit))
+
+    def static(self) -> tuple:
+        return (bool(self.gated), bool(self.interleaved), self.activation, bool(self.transposed), float(self.alpha),
+                float(self.limit))
+
+    def describe(self) -> str:
+        act = self.activation if self.activation != "swiglu_clamp" else \
+            f"swiglu_clamp (alpha {self.alpha:g}, limit {self.limit:g})"
+        return act + (", transposed weights" if self.transposed else "")
 
 
 @dataclass(frozen=True)
@@ -63,30 +94,28 @@ class MoESpec:
     route: RouteSpec
     experts: ExpertsSpec
 
-    def _static(self) -> tuple:
-        r, e = self.route, self.experts
-        return (r.method, int(r.top_k), bool(r.renormalize), float(r.scale), int(r.n_group), int(r.topk_group),
-                bool(e.gated), bool(e.interleaved), e.activation, bool(r.router_fp32))
-
-    def moe_args(self, x, router_w, router_bias, w13, w2) -> tuple:
+    def moe_args(self, x, w: MoEWeights) -> tuple:
         """``hybrid::moe``: the routed experts of a block, x [T, H]."""
-        return (x, router_w, router_bias if self.route.uses_bias else None, w13, w2, *self._static())
+        return (x, *self._tensors(w), *self.route.static(), *self.experts.static())
 
-    def block_args(self, x, router_w, router_bias, w13, w2, shared=None, shared_gate=None) -> tuple:
+    def block_args(self, x, w: MoEWeights, shared=None, shared_gate=None) -> tuple:
         """``hybrid::moe_block``: the whole block, x [..., H], with the shared expert's output (optionally gated)."""
-        return (x, router_w, router_bias if self.route.uses_bias else None, w13, w2, shared, shared_gate,
-                *self._static())
+        return (x, *self._tensors(w), shared, shared_gate, *self.route.static(), *self.experts.static())
+
+    def _tensors(self, w: MoEWeights) -> tuple:
+        return w._replace(router_bias=w.router_bias if self.route.uses_bias else None)
 
     def kwargs(self) -> dict:
-        """Keyword arguments of ``reference.moe`` and ``triton_experts.moe_triton``."""
+        """Keyword arguments of ``reference.moe`` and ``triton_experts.moe_triton`` (tensors aside)."""
         return dict(**self.route.kwargs(), **self.experts.kwargs(), router_fp32=self.route.router_fp32)
 
     def describe(self) -> str:
-        return f"{self.route.describe()}, {self.experts.activation}"
+        return f"{self.route.describe()}, {self.experts.describe()}"
 
     @classmethod
     def from_args(cls, method: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
-                  gated: bool, interleaved: bool, activation: str, router_fp32: bool) -> "MoESpec":
+                  router_fp32: bool, gated: bool, interleaved: bool, activation: str, transposed: bool, alpha: float,
+                  limit: float) -> "MoESpec":
         """The spec an op call's static arguments describe (the inverse of ``moe_args`` / ``block_args``)."""
         return cls(RouteSpec(method, top_k, renormalize, scale, n_group, topk_group, router_fp32),
-                   ExpertsSpec(gated, interleaved, activation))
+                   ExpertsSpec(gated, interleaved, activation, transposed, alpha, limit))

@@ -16,14 +16,13 @@ written and read once) + buf (T*k*H*e written and read once).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.library import pdl_opts, pdl_start
 from . import triton_common as common
 from .triton_common import bucket_for, config_for, mma, split_k_heuristic
-from .reference import ACTIVATIONS
+from .reference import ACTIVATIONS, router_logits
 from .triton_routing import (ROUTE_ALIGN_MAX_T, align_sizes, align_triton, route_align_triton, route_triton,
                       router_logits_triton, use_router_gemm)
 
@@ -35,7 +34,7 @@ _ACT_ID = {a: i for i, a in enumerate(ACTIVATIONS)}
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu
+    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu (4, swiglu_clamp, combines gate and up: _glu)
     if ACT == 0:
         return x / (1.0 + tl.exp(-x))
     elif ACT == 1:
@@ -45,6 +44,17 @@ def _act(x, ACT: tl.constexpr):
         return 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(u) = 2 * sigmoid(2u)
     else:
         return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def _glu(g, u, ACT: tl.constexpr, alpha, limit):
+    """The gated experts' product (reference.glu): act(g) * u, or swiglu_clamp's (clamp(u) + 1) * g' sigmoid(alpha g')."""
+    if ACT == 4:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+    else:
+        return _act(g, ACT) * u
 
 
 @triton.jit
@@ -60,14 +70,15 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
-                    num_pairs, N, K, num_pid_m,
-                    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
+                    num_pairs, N, K, num_pid_m, alpha, limit,
+                    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_im, stride_in,
                     TOP_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    """inter[row, n] = act(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) for the BM rows of one expert block.
-    N = I (intermediate size), K = H. Weights [E, 2I or I, H] via strides."""
+                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """inter[row, n] = glu(x[tok] @ gate[e, n] (+ bias), x[tok] @ up[e, n] (+ bias)) for the BM rows of one expert
+    block. N = I (intermediate size), K = H. Weights [E, 2I or I, H] via strides, biases [E, 2I or I]."""
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_post_ptr):
@@ -118,8 +129,13 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
             g_ptrs += BK * stride_wk
         a_ptrs += BK * stride_xk
         u_ptrs += BK * stride_wk
+    if HAS_BIAS:
+        b_base = b_ptr + e * stride_be
+        acc_u += tl.load(b_base + up_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_g += tl.load(b_base + gate_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        h = _act(acc_g, ACT) * acc_u
+        h = _glu(acc_g, acc_u, ACT, alpha, limit)
     else:
         h = _act(acc_u, ACT)
     out_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
@@ -127,12 +143,14 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_p
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, rw_ptr,
+def _down_kernel(inter_ptr, w_ptr, b_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, rw_ptr,
                  num_pairs, N, K, num_pid_m, k_per_split,
-                 stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_bs, stride_bp, stride_bn,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    """buf[split, pair, n] = rw[pair] * inter[row, k-range] @ w2[e, n, k-range]. N = H, K = I."""
+                 stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_be, stride_bs, stride_bp, stride_bn,
+                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """buf[split, pair, n] = rw[pair] * (inter[row, k-range] @ w2[e, n, k-range] (+ bias[e, n] in split 0)).
+    N = H, K = I."""
     pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
     pid_k = tl.program_id(1)
@@ -164,6 +182,9 @@ def _down_kernel(inter_ptr, w_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_po
         acc = mma(a, b, acc, IEEE)
         a_ptrs += BK * stride_ik
         b_ptrs += BK * stride_wk
+    if HAS_BIAS:  # once per pair: in the first K split
+        bias = tl.load(b_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += bias[None, :] * (pid_k == 0).to(tl.float32)
     rw = tl.load(rw_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     out_ptrs = buf_ptr + pid_k * stride_bs + pair[:, None].to(tl.int64) * stride_bp + offs_n[None, :] * stride_bn
@@ -212,7 +233,8 @@ def _check_experts_args(x, w13, w2, weights, ids, gated, activation):
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    *, gated: bool, interleaved: bool, activation: str, config: dict | None = None,
-                   layout: tuple | None = None, shared: tuple | None = None) -> torch.Tensor:
+                   layout: tuple | None = None, shared: tuple | None = None, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None, alpha: float = 1.0, limit: float = float("inf")) -> torch.Tensor:
     """Same contract as reference.experts. ``config`` overrides ``config_for`` (tests, tuning); ``layout``:
     ``align_triton(ids, E, config BM)``'s result when the caller has it (``route_align_triton``); ``shared`` =
     (shared-expert output [T, H], gate [T, 1] | None): added to the result (``hybrid::moe_block``)."""
@@ -237,10 +259,11 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     inter = torch.empty(max_padded, I, dtype=w2.dtype, device=x.device)
     grid = (grid_m * triton.cdiv(I, up["BN"]),)
     common.launch(_gate_up_kernel)[grid](
-        x, w13, inter, sorted_ids, block_expert, num_post, num_pairs, I, H, grid_m,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        x, w13, b13 if b13 is not None else w13, inter, sorted_ids, block_expert, num_post, num_pairs, I, H, grid_m,
+        float(alpha), float(limit), x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        b13.stride(0) if b13 is not None else 0, inter.stride(0), inter.stride(1),
         TOP_K=top_k, GATED=bool(gated), INTERLEAVED=bool(interleaved), ACT=_ACT_ID[activation],
-        BM=BM, BN=up["BN"], BK=up["BK"], GROUP_M=up["GROUP_M"], EVEN_K=H % up["BK"] == 0,
+        HAS_BIAS=b13 is not None, BM=BM, BN=up["BN"], BK=up["BK"], GROUP_M=up["GROUP_M"], EVEN_K=H % up["BK"] == 0,
         CAST_F32=cast, IEEE=ieee, num_warps=up["warps"], num_stages=up["stages"], **pdl_opts(x))
 
     split = max(1, int(down["SPLIT_K"]))
@@ -251,9 +274,9 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     rw = weights.contiguous()
     grid = (grid_m * triton.cdiv(H, down["BN"]), split)
     common.launch(_down_kernel)[grid](
-        inter, w2, buf, sorted_ids, block_expert, num_post, rw, num_pairs, H, I, grid_m, k_per_split,
-        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        buf.stride(0), buf.stride(1), buf.stride(2),
+        inter, w2, b2 if b2 is not None else w2, buf, sorted_ids, block_expert, num_post, rw, num_pairs, H, I, grid_m,
+        k_per_split, inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        b2.stride(0) if b2 is not None else 0, buf.stride(0), buf.stride(1), buf.stride(2), HAS_BIAS=b2 is not None,
         BM=BM, BN=down["BN"], BK=down["BK"], GROUP_M=down["GROUP_M"], EVEN_K=k_per_split % down["BK"] == 0
         and I % k_per_split == 0, CAST_F32=cast, IEEE=ieee, num_warps=down["warps"], num_stages=down["stages"],
         **pdl_opts(x))
@@ -274,14 +297,15 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
                w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
                topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
-               config: dict | None = None, shared: tuple | None = None) -> torch.Tensor:
+               config: dict | None = None, shared: tuple | None = None, router_logit_bias: torch.Tensor | None = None,
+               b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, alpha: float = 1.0,
+               limit: float = float("inf")) -> torch.Tensor:
     """Route + align + experts; same contract as reference.moe, plus ``shared`` as in ``experts_triton``."""
-    if use_router_gemm(x.shape[0], router_w.shape[0], x.shape[1], (x.dtype, router_w.dtype)):
+    if router_logit_bias is None and use_router_gemm(x.shape[0], router_w.shape[0], x.shape[1],
+                                                     (x.dtype, router_w.dtype)):
         logits = router_logits_triton(x, router_w, router_fp32)
-    elif router_fp32:
-        logits = F.linear(x.float(), router_w.float())
     else:
-        logits = F.linear(x, router_w.to(x.dtype))
+        logits = router_logits(x, router_w, router_fp32, router_logit_bias)
     route = dict(method=method, top_k=top_k, renormalize=renormalize, scale=scale, n_group=n_group,
                  topk_group=topk_group)
     if bucket_for(x.shape[0]) <= ROUTE_ALIGN_MAX_T:
@@ -292,4 +316,4 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tenso
     else:
         (weights, ids), layout = route_triton(logits, router_bias, **route), None
     return experts_triton(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation,
-                          config=config, layout=layout, shared=shared)
+                          config=config, layout=layout, shared=shared, b13=b13, b2=b2, alpha=alpha, limit=limit)

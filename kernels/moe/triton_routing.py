@@ -162,7 +162,7 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
                 METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rows [row0, row0 + BLOCK_T) of logits [T, E] -> weights fp32 / ids int32 [T, TOP_K].
-    METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk."""
+    METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk, 4 softmax_bias_topk."""
     rows = row0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     rmask = rows < T
@@ -185,9 +185,11 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
         p = tl.where(cmask[None, :], p, 0.0)
         score = p / tl.sum(p, axis=1)[:, None]
         choice = score
+        if METHOD == 4 and HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     choice = tl.where(cmask[None, :], choice, ninf)
 
-    if METHOD >= 2:  # group-limited: keep the TOPK_GROUP best groups
+    if METHOD == 2 or METHOD == 3:  # group-limited: keep the TOPK_GROUP best groups
         GS: tl.constexpr = E // N_GROUP
         grp = cols // GS  # padded columns get groups >= N_GROUP
         gscore = tl.full([BLOCK_T, EP], ninf, tl.float32)
@@ -234,7 +236,7 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
         w_acc = ex / tl.sum(ex, axis=1)[:, None]
     elif RENORM:
         denom = tl.sum(tl.where(kvalid, w_acc, 0.0), axis=1)
-        if METHOD == 2:
+        if METHOD == 2 or METHOD == 4:
             denom = denom + 1e-20
         w_acc = w_acc / denom[:, None]
     w_acc = w_acc * tl.cast(scale, tl.float32)  # the scalar may arrive as fp64 under Inductor

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from kernels.moe import ops, reference
-from kernels.moe.spec import ExpertsSpec, MoESpec, RouteSpec
+from kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
 from kernels.moe import triton_common as common, triton_experts as experts, triton_routing as routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -335,6 +335,10 @@ OP_KW = dict(method="sigmoid_group_topk", top_k=2, renormalize=True, scale=2.5, 
 OP_SPEC = MoESpec(RouteSpec("sigmoid_group_topk", 2, True, 2.5, 3, 2, True), ExpertsSpec(True, False, "silu"))
 
 
+def _weights(rw, b, w13, w2, **kw) -> MoEWeights:
+    return MoEWeights(rw, router_bias=b, w13=w13, w2=w2, **kw)
+
+
 @pytest.mark.parametrize("triton_on_cpu", [False, True])
 def test_ops_match_reference(triton_on_cpu, monkeypatch):
     if triton_on_cpu:
@@ -342,7 +346,7 @@ def test_ops_match_reference(triton_on_cpu, monkeypatch):
             pytest.skip("needs the Triton interpreter")
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     x, rw, b, w13, w2 = _op_inputs()
-    torch.testing.assert_close(ops.moe(x, rw, b, w13, w2, OP_SPEC), reference.moe(x, rw, b, w13, w2, **OP_KW),
+    torch.testing.assert_close(ops.moe(x, _weights(rw, b, w13, w2), OP_SPEC), reference.moe(x, rw, b, w13, w2, **OP_KW),
                                rtol=1e-5, atol=1e-5)
     logits = reference.router_logits(x, rw, True)
     route_kw = {n: OP_KW[n] for n in ("method", "top_k", "renormalize", "scale", "n_group", "topk_group")}
@@ -350,7 +354,7 @@ def test_ops_match_reference(triton_on_cpu, monkeypatch):
     ref_w, ref_i = reference.route(logits, b, **route_kw)
     assert w.dtype == torch.float32 and i.dtype == torch.int32
     assert torch.equal(sort_pairs(w, i)[1], sort_pairs(ref_w, ref_i)[1])
-    out = ops.moe_experts(x, w13, w2, ref_w, ref_i, gated=True, interleaved=False, activation="silu")
+    out = ops.moe_experts(x, w13, w2, ref_w, ref_i, ExpertsSpec(True, False, "silu"))
     ref = reference.experts(x, w13, w2, ref_w, ref_i, gated=True, interleaved=False, activation="silu")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -369,7 +373,7 @@ def test_moe_block_adds_the_shared_expert_in_the_combine(shared, monkeypatch):
         x = x.view(*lead, -1)
         sh = randn(*x.shape) if shared != "none" else None
         gate = randn(*lead, 1) if shared == "gated" else None
-        out = moe_block(x, rw, b, w13, w2, OP_SPEC, sh, gate)
+        out = moe_block(x, _weights(rw, b, w13, w2), OP_SPEC, sh, gate)
         ref = reference.moe(x.view(-1, x.shape[-1]), rw, b, w13, w2, **OP_KW).view(x.shape)
         if sh is not None:
             ref = ref + (sh if gate is None else torch.sigmoid(gate) * sh)
@@ -378,18 +382,18 @@ def test_moe_block_adds_the_shared_expert_in_the_combine(shared, monkeypatch):
 
 def test_opcheck():
     x, rw, b, w13, w2 = _op_inputs(T=5, E=4)
-    args = (x, rw, b, w13, w2, "sigmoid_group_topk", 2, True, 2.5, 2, 1, True, False, "silu", True)
-    torch.library.opcheck(torch.ops.hybrid.moe.default, args)
+    spec = MoESpec(RouteSpec("sigmoid_group_topk", 2, True, 2.5, 2, 1, True), ExpertsSpec(True, False, "silu"))
+    torch.library.opcheck(torch.ops.hybrid.moe.default, spec.moe_args(x, _weights(rw, b, w13, w2)))
 
 
 def test_torch_compile_matches_reference():
     x, rw, b, w13, w2 = _op_inputs(T=5, E=4)
     kw = dict(OP_KW, n_group=2, topk_group=1)
     spec = MoESpec(RouteSpec("sigmoid_group_topk", 2, True, 2.5, 2, 1, True), OP_SPEC.experts)
-    assert spec.kwargs() == kw
+    assert spec.kwargs() == dict(kw, alpha=1.0, limit=float("inf"))
 
     def f(x, rw, b, w13, w2):
-        return ops.moe(x, rw, b, w13, w2, spec) * 2.0
+        return ops.moe(x, _weights(rw, b, w13, w2), spec) * 2.0
 
     torch._dynamo.reset()
     out = torch.compile(f, fullgraph=True)(x, rw, b, w13, w2)
@@ -446,3 +450,40 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
         if r["kernel"] in ("_gate_up_kernel", "_down_kernel"):
             assert r["pipelined"], r
         assert not r.get("spill_bytes"), r
+
+
+@pytest.mark.parametrize("triton_on_cpu", [False, True])
+def test_gpt_oss_style_experts(triton_on_cpu, monkeypatch):
+    """Transposed expert weights ([E, H, 2I], [E, I, H]), interleaved gate / up, biases before the activation and the
+    routing weight, the clamped SwiGLU, and a router whose linear has a bias: the op (reference and Triton) against
+    the dense reference on the weights laid out [E, out, in]; T = 1 (route + align in one launch) and T = 37."""
+    if triton_on_cpu:
+        if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the Triton interpreter")
+        monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
+    E, H, I = 5, 48, 24
+    spec = MoESpec(RouteSpec("topk_softmax", 2), ExpertsSpec(True, True, "swiglu_clamp", True, 1.702, 2.0))
+    w = MoEWeights(randn(E, H, scale=H ** -0.5), randn(E, scale=0.5), None, randn(E, H, 2 * I, scale=H ** -0.5),
+                   randn(E, I, H, scale=I ** -0.5), randn(E, 2 * I, scale=0.5), randn(E, H, scale=0.5))
+    for T in (1, 37):
+        x = randn(T, H)
+        got = ops.moe(x, w, spec)
+        want = reference.moe(x, w.router_w, None, w.w13.transpose(1, 2), w.w2.transpose(1, 2), **spec.kwargs(),
+                             router_logit_bias=w.router_logit_bias, b13=w.b13, b2=w.b2)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    h = randn(7, 2 * I) * 3  # the clamped SwiGLU itself against gpt-oss's formula
+    g, u = h[..., ::2].clamp(max=2.0), h[..., 1::2].clamp(-2.0, 2.0)
+    torch.testing.assert_close(reference.glu(h[..., ::2], h[..., 1::2], "swiglu_clamp", 1.702, 2.0),
+                               (u + 1) * g * torch.sigmoid(g * 1.702))
+
+
+@pytest.mark.parametrize("split", [None, "split"])
+def test_experts_triton_biases_with_split_k(split):
+    """Biases with the down projection split along K: the down bias is added once per pair, not per split."""
+    T, E, H, I, k = 9, 4, 48, 64, 2
+    x, w13, w2 = randn(T, H), randn(E, 2 * I, H, scale=H ** -0.5), randn(E, H, I, scale=I ** -0.5)
+    b13, b2 = randn(E, 2 * I), randn(E, H)
+    ids, weights = random_ids(T, k, E, "random"), torch.rand(T, k, device=DEV) + 0.1
+    kw = dict(gated=True, interleaved=False, activation="silu", b13=b13, b2=b2)
+    out = experts.experts_triton(x, w13, w2, weights, ids, config=SPLIT_CFG if split else None, **kw)
+    torch.testing.assert_close(out, reference.experts(x, w13, w2, weights, ids, **kw), rtol=1e-4, atol=1e-4)
