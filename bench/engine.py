@@ -72,8 +72,7 @@ def weight_bytes_touched(model, batch: int) -> float:
 
 def step_roofline_ms(model, engine: Engine, batch: int, context: float) -> tuple[float, dict]:
     cache_per_token = sum(l.buf[0].numel() * l.buf.element_size() for l in engine.cache.attention)
-    state_per_seq = sum(l.conv_buf[0].numel() * l.conv_buf.element_size() + l.ssm_buf[0].numel()
-                        * l.ssm_buf.element_size() for l in engine.cache.states)
+    state_per_seq = sum(b[0].numel() * b.element_size() for l in engine.cache.states for b in l.buffers)
     parts = dict(weights=weight_bytes_touched(model, batch), cache=batch * context * cache_per_token,
                  states=2 * batch * state_per_seq)
     return sum(parts.values()) / HBM_BPS * 1e3, parts
@@ -207,8 +206,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     row.update(roofline_ms=roof, roofline_parts_mb={k: v / 2**20 for k, v in parts.items()},
                                cache_bytes_per_token_per_layer=[l.buf[0].numel() * l.buf.element_size()
                                                                 for l in engine.cache.attention][:1],
-                               state_bytes_per_seq_per_layer=[l.conv_buf[0].numel() * l.conv_buf.element_size()
-                                                              + l.ssm_buf[0].numel() * l.ssm_buf.element_size()
+                               state_bytes_per_seq_per_layer=[sum(b[0].numel() * b.element_size()
+                                                                  for b in l.buffers)
                                                               for l in engine.cache.states][:1])
                 row["tok_s"] = b / row["tpot_ms"] * 1e3
             except Exception as e:  # noqa: BLE001  (a crash is a result: record it)

@@ -1,15 +1,24 @@
-"""Paged decode attention for ordinary (MHA / GQA) attention layers, as an HF attention function.
+"""The engine's HF attention function for ordinary (MHA / GQA) attention layers, ``hybrid_paged``.
 
-The engine switches such models to ``config._attn_implementation = "hybrid_paged"``. On a decode step it
-passes the step's paged-attention maps as forward kwargs (``hybrid_block_table``, ``hybrid_seq_lens``),
-which HF forwards to every attention call; the cache's ``update`` then writes the new token and hands back
-its whole paged buffer instead of a gathered copy, and this function reads keys and values in place with
-``hybrid::mla_decode``: a buffer row per head is ``[v | k]``, so with a zero latent query the MLA kernel's
-score is ``q . k`` and its value is ``v``. Each (sequence, kv head) is one kernel row over a page size of
-one token; its block table lists ``slot * kv_heads + head`` for the sequence's positions, valid keys first.
-Prefills (no maps in kwargs) take HF's SDPA path over the gathered keys.
+The engine switches such models to ``config._attn_implementation = "hybrid_paged"`` and remembers the
+implementation the model had (``register``). Every attention call then comes here with what HF's own code passes
+along: the engine's attention mask, the layer's ``sliding_window``, and extras such as learned sinks (``s_aux``) or
+logit soft-capping (``softcap``).
+
+- Steps over gathered keys (prefills; decode steps without paged maps): the layer's window is applied to the
+  engine's mask (HF builds sliding masks itself, but the engine hands the model its own full-causal mask), then the
+  model's own implementation runs, sinks and soft-capping included.
+- Paged decode steps (the step's maps arrive as forward kwargs ``hybrid_block_table`` / ``hybrid_seq_lens``, which
+  HF forwards to every attention call; the cache's ``update`` then returns its whole paged buffer): attention reads
+  keys and values in place with ``hybrid::mla_decode``: a buffer row per head is ``[v | k]``, so with a zero latent
+  query the MLA kernel's score is ``q . k`` and its value is ``v``. Each (sequence, kv head) is one kernel row over a
+  page of one token; its block table lists ``slot * kv_heads + head`` for the sequence's positions, valid keys first,
+  and a sliding window starts the row later. What the kernel does not compute (sinks, soft-capping, dropout) takes
+  the exact path: the step's keys gathered from the pages, then the model's own implementation.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -17,32 +26,88 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kernels.mla.ops import mla_decode
 
 NAME = "hybrid_paged"
+#: id(config) -> the attention implementation the model had before the engine switched it
+_ORIGINAL: dict[int, str] = {}
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                            scaling: float | None = None, **kwargs):
+def register(config) -> None:
+    """Route ``config``'s attention calls here, keeping its implementation for the calls that need it."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(NAME, attention_forward)
+    current = getattr(config, "_attn_implementation", None) or "sdpa"
+    if current != NAME:
+        _ORIGINAL[id(config)] = current
+    config._attn_implementation = NAME
+
+
+def _model_implementation(module):
+    """(the model's own attention function, whether it takes a boolean mask)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    name = _ORIGINAL.get(id(getattr(module, "config", None)), "sdpa")
+    if name == "sdpa" or module is None:
+        return sdpa_attention_forward, True
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name], False
+    # "eager": the function in the model's own modeling file (it may add sinks or soft-capping)
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward"), False
+
+
+def _as_additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _windowed(mask: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+    """The engine's mask [B, 1, T, S] (queries are its last T key positions) restricted to keys within ``window``
+    positions of each query (HF's sliding window: key k with q - k < window)."""
+    if mask is None or not window:
+        return mask
+    t, s = mask.shape[-2], mask.shape[-1]
+    q = torch.arange(s - t, s, device=mask.device)[:, None]
+    near = (q - torch.arange(s, device=mask.device)[None, :]) < window
+    if mask.dtype == torch.bool:
+        return mask & near
+    return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs):
     table = kwargs.pop("hybrid_block_table", None)
     seq_lens = kwargs.pop("hybrid_seq_lens", None)
     if table is None:
         if key.dim() == 3:
             raise RuntimeError("hybrid_paged attention got a paged buffer without block tables: this model does not "
                                "forward its kwargs to attention; build the Engine with paged_decode=False")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _model_attention(module, query, key, value, _windowed(attention_mask, sliding_window), dropout,
+                                scaling, sliding_window, kwargs)
     b, hq, t, dk = query.shape
     rows, hkv, d = key.shape  # the paged buffer [rows, kv heads, Dv + Dk]
     dv = d - dk
     if t != 1:
         raise RuntimeError(f"hybrid_paged decode takes one query token per sequence, got {t}")
+    if sliding_window:  # each row's keys start at its window: shift the table, shorten the row
+        start = (seq_lens - sliding_window).clamp(min=0)
+        idx = (start[:, None] + torch.arange(table.shape[1], device=table.device)[None, :]).clamp(
+            max=table.shape[1] - 1)
+        table, seq_lens = table.gather(1, idx.long()), seq_lens - start
+    if kwargs.get("s_aux") is not None or kwargs.get("softcap") or dropout:  # the exact path
+        flat = key.view(rows * hkv, d)[table.long()].view(b, hkv, -1, d)  # [B, kv heads, W, Dv + Dk]
+        valid = torch.arange(flat.shape[2], device=flat.device)[None, :] < seq_lens.view(b, hkv)[:, :1]
+        return _model_attention(module, query, flat[..., dv:], flat[..., :dv], valid[:, None, None, :], dropout,
+                                scaling, None, kwargs)
     q = query[:, :, 0].reshape(b * hkv, hq // hkv, dk)
     out = mla_decode(q.new_zeros(b * hkv, hq // hkv, dv), q, key.view(rows * hkv, 1, d), table, seq_lens,
                      scale=scaling if scaling is not None else dk ** -0.5)
     return out.view(b, 1, hq, dv), None
 
 
-def register() -> None:
-    from transformers import AttentionInterface
-    AttentionInterface.register(NAME, paged_attention_forward)
+def _model_attention(module, query, key, value, mask, dropout, scaling, sliding_window, kwargs):
+    fn, takes_bool = _model_implementation(module)
+    if not takes_bool:
+        mask = _as_additive(mask, query.dtype)
+    return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+              **kwargs)
 
 
 def decode_maps(slots: torch.Tensor, lengths: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

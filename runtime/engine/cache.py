@@ -20,34 +20,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
 from kernels.mla.ops import write_rows
+
+from .features import Unsupported, cache_layer_kind
 
 
 @dataclass
 class LayerSpec:
-    kind: str  # "attention" | "ssm"
+    kind: str  # "attention" | "ssm" | "attention+ssm" (both in one layer) | "none" (a layer that caches nothing)
     heads: int = 0
     k_dim: int = 0
     v_dim: int = 0
-    conv_shape: tuple = ()
-    ssm_shape: tuple = ()
+    conv_shape: tuple = ()  # () when the layer keeps no conv state
+    ssm_shape: tuple = ()   # () when it keeps no recurrent state
     conv_dtype: torch.dtype = torch.float32
     ssm_dtype: torch.dtype = torch.float32
+    #: sliding-window attention: the window HF's cache keeps (the attention function applies it, attention.py)
+    window: int | None = None
+
+    @property
+    def keys(self) -> bool:
+        return self.kind in ("attention", "attention+ssm")
+
+    @property
+    def states(self) -> bool:
+        return self.kind in ("ssm", "attention+ssm")
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.heads * (self.k_dim + self.v_dim) * dtype.itemsize if self.kind == "attention" else 0
+        return self.heads * (self.k_dim + self.v_dim) * dtype.itemsize if self.keys else 0
 
     def bytes_per_state_row(self) -> int:
-        if self.kind != "ssm":
+        if not self.states:
             return 0
         n = lambda s: int(torch.tensor(s).prod().item()) if s else 0  # noqa: E731
         return n(self.conv_shape) * self.conv_dtype.itemsize + n(self.ssm_shape) * self.ssm_dtype.itemsize
 
 
 def discover_layers(model, kwarg: str) -> list[LayerSpec]:
-    """Run a 2-token prefill with HF's own DynamicCache and read what every layer cached."""
+    """Run a 2-token prefill with HF's own DynamicCache and read what every layer cached (features.py says which
+    cache layers the engine runs; others raise ``Unsupported``)."""
     from transformers import DynamicCache
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
@@ -55,13 +68,22 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
         model(torch.tensor([[1, 2]], device=device), use_cache=True, **{kwarg: cache})
     specs = []
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionLayer) or hasattr(layer, "conv_states"):
-            conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
-            specs.append(LayerSpec("ssm", conv_shape=tuple(conv.shape[1:]), ssm_shape=tuple(ssm.shape[1:]),
-                                   conv_dtype=conv.dtype, ssm_dtype=ssm.dtype))
-        else:
+        kind = cache_layer_kind(layer)
+        spec = LayerSpec(kind)
+        if spec.states:
+            conv, ssm = layer.conv_states.get(0), layer.recurrent_states.get(0)
+            spec.conv_shape = tuple(conv.shape[1:]) if conv is not None else ()
+            spec.ssm_shape = tuple(ssm.shape[1:]) if ssm is not None else ()
+            spec.conv_dtype = conv.dtype if conv is not None else torch.float32
+            spec.ssm_dtype = ssm.dtype if ssm is not None else torch.float32
+        if spec.keys:
             k, v = layer.keys, layer.values
-            specs.append(LayerSpec("attention", heads=k.shape[1], k_dim=k.shape[-1], v_dim=v.shape[-1]))
+            spec.window = getattr(layer, "sliding_window", None)
+            if k.shape[-2] != 2 and not spec.window:  # a window shorter than 2 may keep fewer rows
+                raise Unsupported(f"a model that caches {k.shape[-2]} key rows for a 2-token prompt (it adds tokens "
+                                  "of its own, e.g. a learned prompt); the engine writes one cache row per token")
+            spec.heads, spec.k_dim, spec.v_dim = k.shape[1], k.shape[-1], v.shape[-1]
+        specs.append(spec)
     return specs
 
 
@@ -168,34 +190,48 @@ class PagedAttentionLayer(CacheLayerMixin):
 
 
 class SlotStateLayer(LinearAttentionLayer):
-    """HF's linear-attention layer, re-bound every step to the engine's state buffers."""
+    """HF's linear-attention layer, re-bound every step to the engine's state buffers (a conv state, a recurrent
+    state, or both: a buffer is None where the layer keeps no such state)."""
 
     def __init__(self, num_rows: int, spec: LayerSpec, device):
         super().__init__()
-        self.conv_buf = torch.zeros(num_rows, *spec.conv_shape, dtype=spec.conv_dtype, device=device)
-        self.ssm_buf = torch.zeros(num_rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device)
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.conv_buf = torch.zeros(num_rows, *spec.conv_shape, dtype=spec.conv_dtype, device=device) \
+            if spec.conv_shape else None
+        self.ssm_buf = torch.zeros(num_rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device) \
+            if spec.ssm_shape else None
+        self._views: dict[int, tuple] = {}
         # what HF's lazy initialisation would set on the first prefill: set now, so every prefill traces alike
-        self.dtype, self.device = spec.conv_dtype, self.conv_buf.device
-        self.conv_kernel_size[0] = spec.conv_shape[-1]
+        self.dtype = spec.conv_dtype if spec.conv_shape else spec.ssm_dtype
+        self.device = self.buffers[0].device
+        self.conv_kernel_size[0] = spec.conv_shape[-1] if spec.conv_shape else None
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for b in (self.conv_buf, self.ssm_buf) if b is not None]
+
+    def _rows(self, lo: int, hi: int) -> tuple:
+        return tuple(None if b is None else b[lo:hi] for b in (self.conv_buf, self.ssm_buf))
 
     def bind_decode(self, n: int) -> None:
         if n not in self._views:  # one view object per batch size: stable inputs for compiled graphs
-            views = (self.conv_buf[:n], self.ssm_buf[:n])
+            views = self._rows(0, n)
             for v in views:
-                torch._dynamo.mark_static_address(v)
+                if v is not None:
+                    torch._dynamo.mark_static_address(v)
             self._views[n] = views
         self._bind_states(*self._views[n])
 
     def bind_continue(self, row: int) -> None:
         """A prefill chunk after the first: HF continues from row ``row``'s states and updates them in place."""
-        self._bind_states(self.conv_buf[row:row + 1], self.ssm_buf[row:row + 1])
+        self._bind_states(*self._rows(row, row + 1))
 
-    def _bind_states(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    def _bind_states(self, conv: torch.Tensor | None, ssm: torch.Tensor | None) -> None:
         self.conv_states[0], self.recurrent_states[0] = conv, ssm
-        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.is_conv_states_initialized[0] = conv is not None
+        self.is_recurrent_states_initialized[0] = ssm is not None
         self.has_previous_state[0] = True
-        self.conv_kernel_size[0] = self.conv_buf.shape[-1]
+        if conv is not None:
+            self.conv_kernel_size[0] = self.conv_buf.shape[-1]
 
     def bind_prefill(self) -> None:
         self.conv_states[0] = self.recurrent_states[0] = None
@@ -204,19 +240,52 @@ class SlotStateLayer(LinearAttentionLayer):
 
     def store_prefill(self, row: int) -> None:
         """Copy the fresh states HF created during a prefill into ``row`` of the buffers."""
-        self.conv_buf[row].copy_(self.conv_states[0][0])
-        self.ssm_buf[row].copy_(self.recurrent_states[0][0])
+        for buf, state in ((self.conv_buf, self.conv_states[0]), (self.ssm_buf, self.recurrent_states[0])):
+            if buf is not None:
+                buf[row].copy_(state[0])
 
     def move_row(self, src: int, dst: int) -> None:
-        self.conv_buf[dst].copy_(self.conv_buf[src])
-        self.ssm_buf[dst].copy_(self.ssm_buf[src])
+        for buf in self.buffers:
+            buf[dst].copy_(buf[src])
+
+    def snapshot(self, n: int) -> list[torch.Tensor]:
+        """Copies of rows 0..n-1 of every buffer (``restore`` puts them back)."""
+        return [b[:n].clone() for b in self.buffers]
+
+    def restore(self, n: int, saved: list[torch.Tensor]) -> None:
+        for buf, rows in zip(self.buffers, saved):
+            buf[:n].copy_(rows)
+
+
+class PagedAttentionAndStateLayer(SlotStateLayer, PagedAttentionLayer):
+    """A layer whose attention and SSM mixer run side by side (HF's ``LinearAttentionAndFullAttentionLayer``):
+    paged keys/values and state rows in one cache layer. HF's code calls the attention methods (``update``,
+    ``get_mask_sizes``, ``get_seq_length``) and the state methods on the same object; each half is bound per step
+    like its single-kind layer."""
+    is_compileable = True
+    is_sliding = False
+    update = PagedAttentionLayer.update
+    get_mask_sizes = PagedAttentionLayer.get_mask_sizes
+    get_seq_length = PagedAttentionLayer.get_seq_length
+    get_max_length = PagedAttentionLayer.get_max_length
+
+    def __init__(self, num_rows: int, num_state_rows: int, spec: LayerSpec, dtype, device, latent: bool = False,
+                 block_size: int = 1):
+        PagedAttentionLayer.__init__(self, num_rows, spec.heads, spec.k_dim, spec.v_dim, dtype, device, latent,
+                                     block_size)
+        SlotStateLayer.__init__(self, num_state_rows, spec, device)
 
 
 class PagedCache(Cache):
     def __init__(self, specs: list[LayerSpec], num_rows: int, num_state_rows: int, dtype, device,
                  latent: bool = False, block_size: int = 1):
-        layers = [PagedAttentionLayer(num_rows, s.heads, s.k_dim, s.v_dim, dtype, device, latent, block_size)
-                  if s.kind == "attention" else SlotStateLayer(num_state_rows, s, device) for s in specs]
+        def layer(s: LayerSpec):
+            if s.kind == "attention+ssm":
+                return PagedAttentionAndStateLayer(num_rows, num_state_rows, s, dtype, device, latent, block_size)
+            if s.keys:
+                return PagedAttentionLayer(num_rows, s.heads, s.k_dim, s.v_dim, dtype, device, latent, block_size)
+            return SlotStateLayer(num_state_rows, s, device) if s.states else DummyLayer()
+        layers = [layer(s) for s in specs]
         super().__init__(layers=layers)
         self.attention = [l for l in layers if isinstance(l, PagedAttentionLayer)]
         self.states = [l for l in layers if isinstance(l, SlotStateLayer)]
@@ -237,7 +306,11 @@ class PagedCache(Cache):
             else:
                 layer.bind_prefill()
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached before the step (the attention layers' key count; a model with state layers only has no key
+        axis: 0, HF's own count being undefined there)."""
+        return self.attention[0].get_seq_length() if self.attention else 0
+
     def nbytes(self) -> int:
         return sum(l.buf.numel() * l.buf.element_size() for l in self.attention) + sum(
-            l.conv_buf.numel() * l.conv_buf.element_size() + l.ssm_buf.numel() * l.ssm_buf.element_size()
-            for l in self.states)
+            b.numel() * b.element_size() for l in self.states for b in l.buffers)

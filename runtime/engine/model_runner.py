@@ -62,21 +62,19 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.keep_last = "logits_to_keep" in params
         self.bucket_decode = bucket_decode  # pad decode batches / widths to buckets (required by CUDA graphs)
-        self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self.paged_decode = paged_decode
         self.paged_latent = paged_decode and all(layer.latent for layer in cache.attention)
+        if cache.attention:  # every attention call through the engine's function (attention.py: windows, paging)
+            attention.register(model.config)  # it takes the engine's boolean masks whatever the model's own takes
         if paged_decode and not self.paged_latent:  # decode attention reads the buffers in place (attention.py)
             heads = {layer.buf.shape[1] for layer in cache.attention}
             if len(heads) != 1:
                 raise ValueError(f"paged decode needs one kv-head count across layers, got {sorted(heads)}")
             self.kv_heads = heads.pop()
-            attention.register()
-            model.config._attn_implementation = attention.NAME
-            self.bool_mask = True
         self.forward = self._compiled(model, compile, freeze_weights, compile_options)
         # the step's cache maps: a dozen small integer ops, one Triton kernel on the GPU (step_maps.py)
         self._maps = device_step_maps() if self.device.type == "cuda" else step_maps
-        self.mask_keys = self._mask_keys(model.config)
+        self.mask_keys = self._mask_keys(model.config.get_text_config())
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
         self.graphs_enabled = compile == "hybrid-cudagraphs" and self.device.type == "cuda"
@@ -114,13 +112,17 @@ class ModelRunner:
         raise ValueError(f"unknown compile mode {compile!r}: use None, 'hybrid', 'hybrid-cudagraphs' or 'hybrid-eager'")
 
     def _mask_keys(self, config) -> dict[str, bool] | None:
-        """Hybrid models take a dict {layer type: mask}: attention types get the 4-D mask, SSM types None."""
+        """Hybrid models take a dict {layer type: mask}: attention types get the 4-D mask, SSM types None. The
+        keys are the config's layer types and HF's two standard ones, "full_attention" and "linear_attention"
+        (models whose layers run both side by side name their masks so, whatever their layer types)."""
         types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
         if not self.cache.states or not self.cache.attention or not types:
             return None
         kinds = {}
         for t, layer in zip(types, self.cache.layers):
             kinds[t] = kinds.get(t, False) or hasattr(layer, "buf")
+        kinds.setdefault("full_attention", True)
+        kinds.setdefault("linear_attention", False)
         return kinds
 
     # ------------------------------------------------------------------------------------------------
@@ -323,7 +325,7 @@ class ModelRunner:
             pads = inputs[3] if self.cache.attention else None
             return logits, greedy_ids(logits[:, -1], (inputs[0], inputs[1], pads, advance))
         # warm-up runs (compilation happens here) update SSM states in place: put them back afterwards
-        saved = [(l.conv_buf[:batch].clone(), l.ssm_buf[:batch].clone()) for l in self.cache.states]
+        saved = [layer.snapshot(batch) for layer in self.cache.states]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -331,9 +333,8 @@ class ModelRunner:
                 self._upload(host, device_ids, out=static_in)
                 body()
         torch.cuda.current_stream().wait_stream(side)
-        for layer, (conv, ssm) in zip(self.cache.states, saved):
-            layer.conv_buf[:batch].copy_(conv)
-            layer.ssm_buf[:batch].copy_(ssm)
+        for layer, rows in zip(self.cache.states, saved):
+            layer.restore(batch, rows)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -381,9 +382,6 @@ class ModelRunner:
         if kind == "prefill":  # query i sits at key index width - q_len + i: causal within the step's tokens
             q_idx = torch.arange(width - q_len, width, device=self.device)[:, None]
             mask = mask & (torch.arange(width, device=self.device)[None, :] <= q_idx)[None, None]
-        if not self.bool_mask:
-            dtype = self.cache.attention[0].buf.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra

@@ -1,0 +1,107 @@
+"""The engine runs every model feature it accepts exactly and refuses the rest in one line (runtime/engine/features.py):
+sliding windows per layer, learned sinks and logit soft-capping give HF generate's greedy tokens, over gathered and
+paged keys, uncompiled and compiled; ALiBi, shared KV, chunked and non-causal attention are refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from runtime import zoo
+from runtime.engine import Engine, SamplingParams
+from runtime.engine.features import Unsupported
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+#: windows of 4 keys: shorter than every prompt, so a window left out changes the tokens
+FAMILIES = {
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"] * 2),   # windows on half the layers, sinks
+    "gemma2": dict(sliding_window=4, query_pre_attn_scalar=16),                 # soft-capping, alternating windows
+    "mistral": dict(sliding_window=4),                                           # a window on every layer
+}
+PROMPTS = [list(range(5, 17)), [7, 8, 9, 10, 11, 3, 4], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+
+
+def _model(name: str, **overrides):
+    cfg = transformers.AutoConfig.for_model(name, **{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    zoo._randomize_zero_init(model, 0)
+    return model
+
+
+def _hf_greedy(model, n: int = 8) -> list[list[int]]:
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):]
+                .tolist() for p in PROMPTS]
+
+
+def _engine(model, **kw) -> list[list[int]]:
+    engine = Engine(model, max_num_seqs=3, block_size=4, **kw)
+    torch._dynamo.reset()
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    torch._dynamo.reset()
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_windows_sinks_softcap_equal_hf(name):
+    """Over gathered keys and over the pages (the kernel with windowed rows; the exact path for sinks and
+    soft-capping), uncompiled, then compiled with the hybrid passes."""
+    model = _model(name, **FAMILIES[name])
+    want = _hf_greedy(model)
+    assert _engine(model, compile=None, paged_decode=False) == want
+    assert _engine(model, compile=None, paged_decode=True) == want
+    assert _engine(model, compile="hybrid-eager", paged_decode=True) == want
+
+
+def test_the_window_matters(monkeypatch):
+    """Control: with the layers' windows left out of the masks the engine's tokens differ from HF's."""
+    import runtime.engine.attention as attention
+    model = _model("mistral", **FAMILIES["mistral"])
+    want = _hf_greedy(model)
+    monkeypatch.setattr(attention, "_windowed", lambda mask, window: mask)
+    assert _engine(model, compile=None, paged_decode=False) != want
+
+
+@pytest.mark.parametrize("name,overrides,feature", [
+    ("bloom", dict(n_layer=2, n_head=4, hidden_size=64), "ALiBi"),
+    ("llama", dict(attention_chunk_size=4), "chunked attention"),
+    ("llama", dict(num_kv_shared_layers=1), "shared across layers"),
+])
+def test_unsupported_features_are_refused_by_name(name, overrides, feature):
+    cfg = transformers.AutoConfig.for_model(name, **({} if name == "bloom" else TINY), **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(Unsupported, match=feature) as err:
+        Engine(model, compile=None)
+    assert "\n" not in str(err.value)
+
+
+def test_non_causal_attention_is_refused():
+    model = zoo.build("llama")
+    model.model.layers[1].self_attn.is_causal = False
+    with pytest.raises(Unsupported, match=r"non-causal attention \(model.layers.1.self_attn"):
+        Engine(model, compile=None)
+
+
+def test_attention_beside_ssm_in_one_layer_equals_hf():
+    """Layers whose attention and Mamba2 mixer run side by side (one HF cache layer holds keys and states): paged
+    keys and state rows in one engine layer, over gathered and paged keys, prompts prefilled whole and in chunks
+    of 4 tokens (the mixer continues from the row's states), uncompiled and compiled."""
+    model = _model("falcon_h1", num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                   mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8)
+    want = _hf_greedy(model)
+    assert _engine(model, compile=None, paged_decode=False) == want
+    assert _engine(model, compile=None, paged_decode=True, max_prefill_tokens=4) == want
+    assert _engine(model, compile="hybrid-eager", paged_decode=True) == want
+
+
+def test_a_model_that_adds_cache_rows_is_refused():
+    """A model that caches more key rows than it was given tokens (a learned prompt of its own) is refused: the
+    engine writes one cache row per token."""
+    cfg = transformers.AutoConfig.for_model("cpmant", vocab_size=256, hidden_size=64, dim_ff=64, num_hidden_layers=2,
+                                            num_attention_heads=4, dim_head=16, prompt_length=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(Unsupported, match="caches 10 key rows for a 2-token prompt"):
+        Engine(model, compile=None)
