@@ -3,28 +3,52 @@
     hybrid demo [--model deepseek_v3]      compile a zoo model, show the explain table, compare with eager
     hybrid explain MODEL [--json]          every MLA / SSM / MoE region and what the passes did with it
     hybrid generate MODEL --prompt-ids 5,6,7 [--prompt "text"] [--json]   continuous-batching engine
-    hybrid zoo list | hybrid zoo save NAME DIR
+    hybrid zoo list | hybrid zoo save NAME DIR [--force]
+
+Every error is one line on stderr, ``hybrid: error: ...``: exit code 2 for bad input (flags, model files, devices),
+1 for a failure of the run itself; nothing is printed on stdout then. ``--debug`` (or ``HYBRID_DEBUG=1``) adds the
+traceback and transformers' own messages.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import logging
+import os
 import sys
 import time
+import traceback
 import warnings
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
+#: errors that mean the input was wrong (exit 2); any other exception is a failure of the run (exit 1)
+EXPECTED = (ValueError, KeyError, OSError)
+#: the flags that set SamplingParams fields (their checks are SamplingParams')
+SAMPLING_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                  "top_p": "--top-p", "seed": "--seed"}
 
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _setup() -> None:
+def _debug(args) -> bool:
+    return getattr(args, "debug", False) or os.environ.get("HYBRID_DEBUG", "") not in ("", "0")
+
+
+def _setup(debug: bool) -> None:
+    if debug:  # the engine's messages with tracebacks (a failed step's), transformers as it is
+        logger = logging.getLogger("runtime")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(logging.StreamHandler())
+        return
     from .hf import quiet_transformers
     quiet_transformers()
     warnings.filterwarnings("ignore", message=".*lru_cache.*")
+    warnings.showwarning = lambda message, *a, **k: _say(f"hybrid: warning: {' '.join(str(message).split())}")
+    logging.getLogger("runtime.engine").setLevel(logging.ERROR)  # failed requests are reported by the command
 
 
 def _dtype(name: str):
@@ -32,10 +56,18 @@ def _dtype(name: str):
     return getattr(torch, DTYPES[name])
 
 
-def _load(model: str, dtype: str, device: str):
+def _load(args, dtype: str, device: str):
     from . import zoo
-    _say(f"loading {model} ({dtype}, {device}) ...")
-    return zoo.load(model, dtype=_dtype(dtype), device=device)
+    _say(f"loading {args.model} ({dtype}, {device}) ...")
+    return zoo.load(args.model, dtype=_dtype(dtype), device=device,
+                    allow_missing_weights=getattr(args, "allow_missing_weights", False),
+                    trust_remote_code=getattr(args, "trust_remote_code", False))
+
+
+def _check_length(model, tokens: int, more: int, flags: str) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens + more > limit:
+        raise ValueError(f"{flags} ({tokens} + {more} tokens) exceed the model's maximum length of {limit} tokens")
 
 
 def _prompt(model, batch: int, tokens: int, device: str, seed: int = 0):
@@ -47,15 +79,13 @@ def _prompt(model, batch: int, tokens: int, device: str, seed: int = 0):
 
 def cmd_explain(args) -> int:
     from compiler.explain import explain
-    model = _load(args.model, args.dtype, args.device)
+    model = _load(args, args.dtype, args.device)
+    _check_length(model, args.tokens, args.generate, "--tokens + --generate")
     ids = _prompt(model, args.batch, args.tokens, args.device)
     _say(f"tracing prefill ({args.batch}x{args.tokens} tokens)"
          + (f" and {args.generate} decode steps" if args.generate else "") + " with the hybrid backend ...")
     report = explain(model, ids, generate_tokens=args.generate, options=_options(args))
-    if args.json:
-        print(report.to_json())
-    else:
-        print(report.table())
+    print(report.to_json() if args.json else report.table())
     return 0
 
 
@@ -73,10 +103,12 @@ def cmd_demo(args) -> int:
 
     from compiler.explain import explain
     from kernels.numerics import rel_err
-    model = _load(args.model, "float32", "cpu")
+    model = _load(args, "float32", "cpu")
+    _check_length(model, args.tokens, args.new_tokens, "--tokens + --new-tokens")
     ids = _prompt(model, 1, args.tokens, "cpu")
+    out = io.StringIO()  # printed when every step has run: no partial result on a failure
     _say("step 1/4: explain (prefill + decode graphs)")
-    print(explain(model, ids, generate_tokens=2).table())
+    print(explain(model, ids, generate_tokens=2, options=_options(args)).table(), file=out)
 
     _say("step 2/4: eager reference (logits and greedy generate)")
     with torch.no_grad():
@@ -99,40 +131,56 @@ def cmd_demo(args) -> int:
         comp_s = time.perf_counter() - t0
     err = rel_err(logits, ref_logits)
     same = torch.equal(tokens, ref_tokens)
-    print(f"\nlogits relative error vs eager: {err:.2e}  ({'ok' if err < 1e-5 else 'TOO LARGE'}, limit 1e-5)")
-    print(f"greedy generate ({args.new_tokens} tokens) identical to eager: {same}")
-    print(f"generate time: eager {eager_s:.2f}s, hybrid {comp_s:.2f}s (CPU, reference ops; speed is a GPU matter)")
+    print(f"\nlogits relative error vs eager: {err:.2e}  ({'ok' if err < 1e-5 else 'TOO LARGE'}, limit 1e-5)", file=out)
+    print(f"greedy generate ({args.new_tokens} tokens) identical to eager: {same}", file=out)
+    print(f"generate time: eager {eager_s:.2f}s, hybrid {comp_s:.2f}s (CPU, reference ops; speed is a GPU matter)",
+          file=out)
+    print(out.getvalue(), end="")
     return 0 if (err < 1e-5 and same) else 1
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. 5,6,7, got {text!r}") from None
 
 
 def cmd_generate(args) -> int:
     import torch
 
     from runtime.engine import Engine, SamplingParams
-    prompts: list = list(args.prompt or [])
-    for ids in args.prompt_ids or []:
-        try:
-            prompts.append([int(t) for t in ids.replace(" ", "").split(",") if t])
-        except ValueError:
-            raise ValueError(f"--prompt-ids takes comma-separated integers, got {ids!r}") from None
+    prompts: list = list(args.prompt or []) + list(args.prompt_ids or [])
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)  # each flag was checked by its type (_sampling)
     _say(f"loading {args.model} ...")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
-                                    cache_memory=args.cache_mb << 20 if args.cache_mb else None)
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                                    cache_memory=args.cache_mb << 20 if args.cache_mb else None,
+                                    allow_missing_weights=args.allow_missing_weights,
+                                    trust_remote_code=args.trust_remote_code)
     live = sys.stderr.isatty() and not args.json
 
     def progress(n, seconds):
         if live:
             print(f"\r{n} tokens, {n / max(seconds, 1e-9):.1f} tokens/s", end="", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, progress=progress)
+    try:
+        outs = engine.generate(prompts, params, progress=progress)
+    finally:
+        if live:
+            print(file=sys.stderr)
     seconds = time.perf_counter() - t0
-    if live:
-        print(file=sys.stderr)
+    failed: dict[str, list[int]] = {}
+    for i, o in enumerate(outs):
+        if o.finish_reason == "error":
+            failed.setdefault(o.error, []).append(i)
+    for error, ids in failed.items():  # no partial result: the others' outputs are not printed
+        _say(f"hybrid: error: request{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} failed: {error}")
+    if failed:
+        return 1
     total = sum(len(o.token_ids) for o in outs)
     if args.json:
         print(json.dumps({"outputs": [{"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
@@ -154,74 +202,152 @@ def cmd_zoo(args) -> int:
             print(f"{e.name:24s} {e.model_type:12s} {'realistic ' if e.realistic else ''}{e.note}")
         return 0
     _say(f"building {args.name} ...")
-    path = zoo.save(args.name, args.dir, dtype=_dtype(args.dtype))
+    path = zoo.save(args.name, args.dir, dtype=_dtype(args.dtype), force=args.force)
     print(f"wrote {path} (config.json + model.safetensors); try: hybrid explain {path}")
     return 0
 
 
+# -- flag types: a bad value is argparse's one-line error naming the flag ------------------------------------
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _sampling(name: str, kind):
+    """A SamplingParams field from its flag, checked by SamplingParams itself (the message names both)."""
+    def parse(text: str):
+        from runtime.engine import SamplingParams
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got "
+                                             f"{text!r}") from None
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    return parse
+
+
+def _device(text: str) -> str:
+    from . import zoo
+    try:
+        zoo.check_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block (argparse's default prints both)
+        _say(f"hybrid: error: {' '.join(message.split())} (see `{self.prog} --help`)")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid", description=(
+    p = _Parser(prog="hybrid", description=(
         "Compile Hugging Face MLA / Mamba / MoE models with fused kernels: "
         "torch.compile(model, backend='hybrid')."))
+    p.add_argument("--debug", action="store_true", help="show tracebacks and transformers' messages (HYBRID_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="as hybrid --debug")
+    loading = _Parser(add_help=False)
+    loading.add_argument("--allow-missing-weights", action="store_true",
+                         help="load a model directory whose weight files lack some of the model's weights (or hold "
+                              "others): those weights are random")
+    loading.add_argument("--trust-remote-code", action="store_true",
+                         help="run the Python code of a model directory that needs it (auto_map in its config)")
 
-    d = sub.add_parser("demo", help="compile a zoo model, show what was rewritten, compare with eager")
+    d = sub.add_parser("demo", parents=[debug], help="compile a zoo model, show what was rewritten, compare with eager")
     d.add_argument("--model", default="deepseek_v3", help="zoo model (see `hybrid zoo list`)")
-    d.add_argument("--tokens", type=int, default=12, help="prompt length")
-    d.add_argument("--new-tokens", type=int, default=8, help="tokens to generate")
+    d.add_argument("--tokens", type=_int_at_least(1), default=12, help="prompt length")
+    d.add_argument("--new-tokens", type=_int_at_least(1), default=8, help="tokens to generate")
     d.add_argument("--disable", action="append", help="turn a pass off (mla, mla_step, ssm, moe, complex, linear, norm, glu); repeatable")
     d.set_defaults(fn=cmd_demo)
 
-    e = sub.add_parser("explain", help="report every MLA / SSM / MoE region and what the passes did")
+    e = sub.add_parser("explain", parents=[debug, loading],
+                       help="report every MLA / SSM / MoE region and what the passes did")
     e.add_argument("model", help="zoo name or path to an HF model directory")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    e.add_argument("--tokens", type=int, default=8, help="prompt length used for tracing")
-    e.add_argument("--batch", type=int, default=1)
-    e.add_argument("--generate", type=int, default=2, help="decode steps to trace too (0: prefill only)")
+    e.add_argument("--tokens", type=_int_at_least(1), default=8, help="prompt length used for tracing")
+    e.add_argument("--batch", type=_int_at_least(1), default=1)
+    e.add_argument("--generate", type=_int_at_least(0), default=2, help="decode steps to trace too (0: prefill only)")
     e.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", type=_device, default="cpu")
     e.add_argument("--disable", action="append", help="turn a pass off (mla, mla_step, ssm, moe, complex, linear, norm, glu); repeatable")
     e.add_argument("--verify", action="store_true", help="check each rewrite against eager on the example inputs")
     e.set_defaults(fn=cmd_explain)
 
-    g = sub.add_parser("generate", help="generate with the continuous-batching engine (paged caches, SSM slots)")
+    g = sub.add_parser("generate", parents=[debug, loading],
+                       help="generate with the continuous-batching engine (paged caches, SSM slots)")
     g.add_argument("model", help="zoo name or path to an HF model directory (its tokenizer is used for --prompt)")
     g.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer); repeatable")
-    g.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 5,6,7; repeatable")
-    g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--prompt-ids", action="append", type=_prompt_ids,
+                   help="comma-separated token ids, e.g. 5,6,7; repeatable")
+    g.add_argument("--max-new-tokens", type=_sampling("max_tokens", int), default=16)
+    g.add_argument("--temperature", type=_sampling("temperature", float), default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=_sampling("top_k", int), default=0)
+    g.add_argument("--top-p", type=_sampling("top_p", float), default=1.0)
+    g.add_argument("--seed", type=_sampling("seed", int))
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
-    g.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    g.add_argument("--device", type=_device, default=None, help="default: cuda when available, else cpu")
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
     g.add_argument("--compile", default="auto",
                    choices=["auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", "none"],
                    help="auto: hybrid-cudagraphs on cuda (decode steps as CUDA graphs), hybrid-eager on cpu")
-    g.add_argument("--cache-mb", type=int, help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
+    g.add_argument("--cache-mb", type=_int_at_least(1),
+                   help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
     g.set_defaults(fn=cmd_generate)
 
-    z = sub.add_parser("zoo", help="list the model zoo or save a zoo model as an HF directory")
+    z = sub.add_parser("zoo", parents=[debug], help="list the model zoo or save a zoo model as an HF directory")
     zsub = z.add_subparsers(dest="zoo_cmd", required=True)
-    zsub.add_parser("list", help="list zoo models")
-    zs = zsub.add_parser("save", help="write NAME as an HF model directory (config.json + safetensors)")
+    zsub.add_parser("list", parents=[debug], help="list zoo models")
+    zs = zsub.add_parser("save", parents=[debug],
+                         help="write NAME as an HF model directory (config.json + safetensors)")
     zs.add_argument("name")
     zs.add_argument("dir")
     zs.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    zs.add_argument("--force", action="store_true",
+                    help="write where DIR is a file (replaced) or a non-empty directory (its model files replaced)")
     z.set_defaults(fn=cmd_zoo)
     return p
 
 
+def _message(e: BaseException) -> str:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(msg).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _setup()
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a bad flag, already said in one line (2)
+        return e.code if isinstance(e.code, int) else 2
+    debug = _debug(args)
+    _setup(debug)
     try:
         return args.fn(args)
-    except (FileNotFoundError, KeyError, ValueError) as e:  # bad input: say what to do, no traceback
-        msg = e.args[0] if e.args else str(e)
-        _say(f"hybrid: error: {msg}")
-        return 2
+    except KeyboardInterrupt:
+        _say("hybrid: interrupted")
+        return 130
+    except Exception as e:  # noqa: BLE001  (one line; the traceback with --debug)
+        if debug:
+            traceback.print_exc()
+        if isinstance(e, EXPECTED):
+            _say(f"hybrid: error: {_message(e)}")
+            return 2
+        _say(f"hybrid: error: {type(e).__name__}: {_message(e)} (a failure of the run: --debug or HYBRID_DEBUG=1 "
+             "shows the traceback)")
+        return 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ def output_cache(output):
 
 
 def quiet_transformers() -> None:
-    """Silence per-call warnings (missing mamba kernels, attention-mask notices) in CLI output."""
+    """Silence per-call warnings (missing mamba kernels, attention-mask notices) and progress bars (loading, saving
+    weights) in CLI output; the CLI reports loading problems itself (runtime.zoo.load)."""
     import transformers
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()

@@ -66,7 +66,7 @@ def test_paged_decode_matches_hf_generate(name):
 
 @pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton-interpreter"])
 def test_paged_attention_equals_sdpa_over_gathered_keys(monkeypatch, triton):
-    from runtime.engine.attention import decode_maps, paged_attention_forward
+    from runtime.engine.attention import attention_forward, decode_maps
     if triton:
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     g = torch.Generator().manual_seed(3)
@@ -79,8 +79,8 @@ def test_paged_attention_equals_sdpa_over_gathered_keys(monkeypatch, triton):
         slots[i, :n] = torch.tensor([free.pop() for _ in range(n)])
     query = torch.randn(b, hq, 1, dk, generator=g)
     table, seq_lens = decode_maps(slots, lengths, hkv)
-    out, _ = paged_attention_forward(None, query, buf, buf, None, scaling=0.3, hybrid_block_table=table,
-                                     hybrid_seq_lens=seq_lens)
+    out, _ = attention_forward(None, query, buf, buf, None, scaling=0.3, hybrid_block_table=table,
+                               hybrid_seq_lens=seq_lens)
     for i, n in enumerate(lengths.tolist()):
         kv = buf[slots[i, :n]].transpose(0, 1)  # [hkv, n, dv + dk]
         k = kv[..., dv:].repeat_interleave(hq // hkv, 0)

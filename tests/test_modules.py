@@ -19,6 +19,10 @@ EXPECTED = {
     "jamba": {"model.layers.0.mamba": SSM, "model.layers.1.feed_forward": MOE, "model.layers.2.mamba": SSM,
               "model.layers.3.feed_forward": MOE},
     "bamba": {"model.layers.0.mamba": SSM, "model.layers.2.mamba": SSM},
+    "gpt_oss": {"model.layers.0.mlp": MOE, "model.layers.1.mlp": MOE},
+    "granitemoehybrid": {"model.layers.0.mamba": SSM, "model.layers.0.block_sparse_moe": MOE,
+                         "model.layers.1.block_sparse_moe": MOE, "model.layers.2.mamba": SSM,
+                         "model.layers.2.block_sparse_moe": MOE},
 }
 
 

@@ -17,6 +17,7 @@ class BlockAllocator:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self._is_free = bytearray([0] + [1] * (num_blocks - 1))  # a block is freed once per allocation
 
     @property
     def num_free(self) -> int:
@@ -31,11 +32,17 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._is_free[b] = 0
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        if any(b <= 0 or b >= self.num_blocks for b in blocks) or len(set(blocks)) != len(blocks):
-            raise ValueError(f"freeing invalid blocks {blocks}")
+        bad = any(b <= 0 or b >= self.num_blocks or self._is_free[b] for b in blocks)
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"freeing invalid blocks {blocks} (block 0 is reserved; each block is freed once)")
+        for b in blocks:
+            self._is_free[b] = 1
         self._free.extend(reversed(blocks))
 
     def slot(self, blocks: list[int], position: int) -> int:

@@ -4,13 +4,15 @@
     outs = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=16))
     for event in engine.stream(["Hello"], SamplingParams(max_tokens=8, temperature=0.8, seed=0)): ...
 
-``step()`` is the whole loop: schedule, run, postprocess.
+``step()`` is the whole loop: schedule, run, postprocess. ``abort(request_id)`` ends a request at once; a step
+that raises fails the requests it ran (``finish_reason="error"``) and leaves the engine ready for the next one.
 """
 from __future__ import annotations
 
+import logging
+import numbers
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 
@@ -18,11 +20,43 @@ from runtime.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
 from .cache import PagedCache, discover_layers, ssm_chunking_problem
+from .features import check_model
 from .model_runner import ModelRunner, decode_bucket
 from .scheduler import Scheduler, Step
-from .sequence import RequestOutput, SamplingParams, Sequence, Status, TokenEvent
+from .sequence import (RequestOutput, SamplingParams, Sequence, Status, TokenEvent, check_bool, check_int,
+                       token_ids)
 
 DEFAULT_CPU_BUDGET = 256 << 20
+COMPILE_MODES = ("auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", None, "none")
+log = logging.getLogger(__name__)
+
+
+def check_options(opts: dict) -> None:
+    """Type and range of ``Engine`` keyword options (TypeError / ValueError naming the option), before anything
+    is built; unknown names are a TypeError."""
+    for name, value in opts.items():
+        where = f"Engine: {name}"
+        if name in ("block_size", "max_num_seqs", "max_prefill_tokens", "cache_memory"):
+            if value is not None or name != "cache_memory":  # cache_memory None: the default budget
+                check_int(where, value, 1)
+        elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights"):
+            check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode"))
+        elif name == "compile":
+            if not isinstance(value, (str, type(None))) or value not in COMPILE_MODES:
+                raise ValueError(f"{where} must be one of {', '.join(map(repr, COMPILE_MODES))}, got {value!r}")
+        elif name == "compile_options":
+            if value is not None and not isinstance(value, dict):
+                raise TypeError(f"{where} must be a dict of hybrid backend options, got {type(value).__name__}")
+            if value and opts.get("compile", "auto") in (None, "none"):
+                raise ValueError(f"{where} {value} need a hybrid compile mode, got compile={opts['compile']!r}")
+            if value:
+                from compiler.options import Options
+                try:
+                    Options.parse(value)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+        else:
+            raise TypeError(f"Engine got an unknown option {name!r}")
 
 
 class Engine:
@@ -30,20 +64,29 @@ class Engine:
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, compile: str | None = "auto",
                  bucket_decode: bool | None = None, paged_decode: bool | None = None, overlap: bool = True,
                  freeze_weights: bool = False, compile_options: dict | None = None):
+        if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+            raise TypeError(f"Engine: model must be a Hugging Face causal LM (a torch.nn.Module with a .config), got "
+                            f"{type(model).__name__}; for a zoo name or a model directory use Engine.from_pretrained")
+        check_options(dict(cache_memory=cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
+                           max_prefill_tokens=max_prefill_tokens, compile=compile, bucket_decode=bucket_decode,
+                           paged_decode=paged_decode, overlap=overlap, freeze_weights=freeze_weights,
+                           compile_options=compile_options))
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = model.config.vocab_size
-        self.max_model_len = getattr(model.config, "max_position_embeddings", None)
+        text_config = model.config.get_text_config()  # a multimodal wrapper's language model config
+        self.vocab_size = text_config.vocab_size
+        self.max_model_len = getattr(text_config, "max_position_embeddings", None)
         self.eos = self._eos_ids(model)
+        check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
         specs = discover_layers(model, cache_kwarg(model))
-        has_attn = any(s.kind == "attention" for s in specs)
-        has_ssm = any(s.kind == "ssm" for s in specs)
+        has_attn = any(s.keys for s in specs)
+        has_ssm = any(s.states for s in specs)
         # long prompts are prefilled in chunks of max_prefill_tokens, except where an SSM mixer would not continue
         # a chunk from the cached states exactly (HF's Mamba1 scan; the reason is kept here). Probed before the
         # caches take the device's memory.
-        num_state_layers = sum(s.kind == "ssm" for s in specs)
+        num_state_layers = sum(s.states for s in specs)
         self.prefill_note = ssm_chunking_problem(model, num_state_layers) if has_ssm else None
         if compile == "auto":
             compile = "hybrid-cudagraphs" if self.device.type == "cuda" else "hybrid-eager"
@@ -54,7 +97,7 @@ class Engine:
         # padding rows of a bucketed decode step need SSM state rows of their own
         state_rows = (decode_bucket(max_num_seqs) if bucket_decode else max_num_seqs) if has_ssm else 0
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
-        mla = hasattr(model.config, "kv_lora_rank")
+        mla = hasattr(text_config, "kv_lora_rank")
         if paged_decode is None:  # decode attention over the pages in place: MLA layers on any device once the
             # MLA pass rewrites them (kernels/mla/ops.py), MHA/GQA layers on the GPU (attention.py)
             paged_decode = has_attn and (mla or self.device.type == "cuda")
@@ -67,23 +110,29 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,
                                   compile_options)
         self._seqs: dict[int, Sequence] = {}
-        self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0)
+        self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, failed_steps=0)
         self.overlap = overlap
         self._ahead = None  # (step, pending): a decode step launched before the previous one was read
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str | None = None, dtype: torch.dtype | None = None,
-                        **kwargs) -> "Engine":
+                        allow_missing_weights: bool = False, trust_remote_code: bool = False, **kwargs) -> "Engine":
+        """A zoo name or an HF model directory (``runtime.zoo.load``: weights that do not match the config are an
+        error unless ``allow_missing_weights``; a directory's own Python code runs only with ``trust_remote_code``).
+        ``kwargs`` are ``Engine`` options, checked before the model loads."""
         from runtime import zoo
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-        model = zoo.load(name_or_path, dtype=dtype, device=device)
-        tokenizer = None
-        path = Path(name_or_path)
-        if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(path)
+        check_options(kwargs)
+        check_bool("Engine.from_pretrained: allow_missing_weights", allow_missing_weights)
+        check_bool("Engine.from_pretrained: trust_remote_code", trust_remote_code)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"Engine.from_pretrained: dtype must be a floating torch.dtype (e.g. torch.bfloat16), got "
+                            f"{dtype!r}")
+        device = str(zoo.check_device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        model = zoo.load(name_or_path, dtype=dtype, device=device, allow_missing_weights=allow_missing_weights,
+                         trust_remote_code=trust_remote_code)
+        tokenizer = None if name_or_path in zoo.ZOO else zoo.load_tokenizer(name_or_path, trust_remote_code)
         return cls(model, tokenizer=tokenizer, **kwargs)
 
     @staticmethod
@@ -118,31 +167,95 @@ class Engine:
         return int(num_blocks)
 
     # -- requests ---------------------------------------------------------------------------------------
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, where: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (no tokenizer files in its directory): pass token ids "
-                                 "(--prompt-ids) instead of text")
-            return self.tokenizer(prompt)["input_ids"]
-        return [int(t) for t in prompt]
+                raise ValueError(f"{where}: this model has no tokenizer (no tokenizer files in its directory): pass "
+                                 "token ids (--prompt-ids) instead of text")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return token_ids(where, prompt)
 
-    def add_request(self, prompt: str | Iterable[int], params: SamplingParams | None = None) -> int:
-        params = params or SamplingParams()
-        ids = self._encode(prompt)
+    def _sequence(self, prompt, params: SamplingParams | None, where: str) -> Sequence:
+        """A checked request, not queued yet (ValueError / TypeError naming ``where`` when it cannot run)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._encode(prompt, where)
         if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"{where}: empty prompt, give at least one token")
+        for what, toks in (("token ids", ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{where}: {what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if self.max_model_len is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                             f"maximum length of {self.max_model_len} tokens")
+            raise ValueError(f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's maximum length of {self.max_model_len} tokens")
         seq = Sequence(ids, params)
+        self.scheduler.check(seq)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
-        self.scheduler.add(seq)
-        self._seqs[seq.request_id] = seq
+        return seq
+
+    def _requests(self, prompts, params) -> list[Sequence]:
+        """Every request of a batch, checked before any is queued. ``prompts``: a string, a list of token ids, a
+        1-D tensor (one prompt), a 2-D tensor (one prompt per row) or a list of strings / id lists / 1-D tensors;
+        ``params``: one SamplingParams (or None) for all, or a list with one per prompt."""
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() not in (1, 2):
+                raise ValueError(f"prompts as a tensor must be 1-D (one prompt) or 2-D (one prompt per row), got shape "
+                                 f"{tuple(prompts.shape)}")
+            prompts = [prompts] if prompts.dim() == 1 else list(prompts)
+        elif isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, (bytes, bytearray, dict, set)) or not hasattr(prompts, "__iter__"):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of prompts, got "
+                            f"{type(prompts).__name__}")
+        else:
+            prompts = list(prompts)
+            if prompts and isinstance(prompts[0], numbers.Integral):
+                prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        elif isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts and {len(params)} SamplingParams: give one "
+                                 "SamplingParams for all prompts or one per prompt")
+            plist = list(params)
+        else:
+            raise TypeError(f"params must be a SamplingParams or a list of them (one per prompt), got "
+                            f"{type(params).__name__}")
+        many = len(prompts) > 1
+        return [self._sequence(p, sp, f"prompt {i}" if many else "prompt")
+                for i, (p, sp) in enumerate(zip(prompts, plist))]
+
+    def _queue(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.scheduler.add(seq)
+            self._seqs[seq.request_id] = seq
+
+    def add_request(self, prompt: str | Iterable[int], params: SamplingParams | None = None) -> int:
+        seq = self._sequence(prompt, params, "prompt")
+        self._queue([seq])
         return seq.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """End a request now, waiting or running: its blocks and state row are free at once, its output keeps the
+        tokens it had with ``finish_reason="abort"``. False when it had already finished. Call it from the thread
+        that steps the engine (between steps, or inside a ``stream`` loop)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in this engine")
+        if seq.status is Status.FINISHED:
+            return False
+        self.scheduler.finish(seq, "abort")  # a step running ahead drops its token (step)
+        self._drop_idle_ahead()
+        return True
+
+    def _drop_idle_ahead(self) -> None:
+        """Forget a step launched ahead whose sequences have all ended: its tokens would all be dropped (the device
+        finishes it before any later launch, which is all that freed blocks and rows need)."""
+        if self._ahead is not None and all(s.status is Status.FINISHED for s in self._ahead[0].seqs):
+            self._ahead = None
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -150,23 +263,51 @@ class Engine:
         (same sequences, nothing waiting, nobody at max_tokens) launches that next step before reading its
         own tokens: the device runs step n+1 while the host finishes step n (its tokens stay on the device
         and feed step n+1 directly). A sequence that stops on EOS or a stop token then has one extra token
-        computed and dropped."""
-        if self._ahead is not None:
-            step, pending = self._ahead
-            self._ahead = None
-        else:
+        computed and dropped.
+
+        A step that raises fails the requests it ran: each gets a last event with ``finish_reason="error"`` and
+        the message, its blocks and state row are freed, and the next call goes on with the others. An interrupt
+        (KeyboardInterrupt) puts the step's sequences back in the queue, recomputed from their tokens later."""
+        step, events = None, []
+        try:
+            if self._ahead is not None:
+                (step, pending), self._ahead = self._ahead, None
+            else:
+                step = self._schedule()
+                if step is None:
+                    return self._stalled()
+                pending = self._launch(step)
+            if self.overlap and self._repeats(step, pending):
+                nxt = Step("decode", list(step.seqs), [1] * len(step.seqs))
+                self._ahead = (nxt, self.runner.launch(nxt, ahead=pending))
+            self._record(step, self.runner.finish(pending), events)
+        except Exception as e:  # noqa: BLE001  (a failed step fails its requests, not the engine)
+            if step is None:  # scheduling itself failed: no request to blame
+                raise
+            return events + self._fail(step, e)
+        except BaseException:
+            if step is not None:
+                self._requeue(step)
+            raise
+        return events
+
+    def _schedule(self) -> Step | None:
+        step = self.scheduler.schedule()
+        if step is None and self.scheduler.has_work():  # a decode that preempted all it had leaves a prefill
             step = self.scheduler.schedule()
-            if step is None:
-                return []
-            pending = self.runner.launch(step)
-        if self.overlap and self._repeats(step, pending):
-            nxt = Step("decode", list(step.seqs), [1] * len(step.seqs))
-            self._ahead = (nxt, self.runner.launch(nxt, ahead=pending))
-        tokens = self.runner.finish(pending)
+        return step
+
+    def _launch(self, step: Step):
+        """Apply the step's state-row moves (so that a failed launch never loses them), then launch it."""
+        self.runner.apply_moves(step.moves)
+        step.moves = []
+        return self.runner.launch(step)
+
+    def _record(self, step: Step, tokens: list[int | None], events: list[TokenEvent]) -> None:
         self.stats["steps"] += 1
         if step.kind == "prefill":
             self.stats["prefill_tokens"] += sum(step.num_tokens)
-        events = []
+        kept = 0
         for seq, tok in zip(step.seqs, tokens):
             if tok is None or seq.status is Status.FINISHED:  # finished while this step ran ahead: dropped
                 continue
@@ -175,10 +316,52 @@ class Engine:
             if reason:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq.request_id, tok, reason is not None, reason))
+            kept += 1
         if step.kind == "decode":  # tokens kept, not rows computed (a dropped token is not output)
             self.stats["decode_steps"] += 1
-            self.stats["decode_tokens"] += len(events)
-        return events
+            self.stats["decode_tokens"] += kept
+
+    def _fail(self, step: Step, error: Exception) -> list[TokenEvent]:
+        """End the requests of a step that raised with ``finish_reason="error"``; drop a step launched ahead of it
+        (the same sequences)."""
+        self._ahead = None
+        if step.moves:
+            self.scheduler.return_moves(step.moves)
+            step.moves = []
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        seqs = [s for s in step.seqs if s.status is not Status.FINISHED]
+        self.stats["failed_steps"] += 1
+        log.warning("hybrid engine: a %s step failed (%s); requests %s end with finish_reason='error'", step.kind,
+                    message, [s.request_id for s in seqs])
+        log.debug("the failed step's traceback", exc_info=error)
+        return [self._end(seq, "error", message) for seq in seqs]
+
+    def _end(self, seq: Sequence, reason: str, message: str | None = None) -> TokenEvent:
+        seq.error = message
+        self.scheduler.finish(seq, reason)
+        return TokenEvent(seq.request_id, None, True, reason, message)
+
+    def _requeue(self, step: Step) -> None:
+        """An interrupted step: its sequences go back to the queue, to be recomputed from their tokens."""
+        self._ahead = None
+        if step.moves:
+            self.scheduler.return_moves(step.moves)
+            step.moves = []
+        for seq in step.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.preempt(seq)
+
+    def _stalled(self) -> list[TokenEvent]:
+        """Nothing can be scheduled: [] when nothing is left, else every request left fails (admission makes sure
+        that each request fits the cache alone, so this is a bookkeeping bug, reported rather than spun on)."""
+        sched = self.scheduler
+        if not sched.has_work():
+            return []
+        free = "" if self.blocks is None else f", {self.blocks.num_free} of {self.blocks.num_blocks - 1} blocks free"
+        message = (f"RuntimeError: the engine stalled ({len(sched.waiting)} waiting, {len(sched.running)} running"
+                   f"{free}, nothing schedulable): please report this")
+        log.warning("hybrid engine: %s", message)
+        return [self._end(seq, "error", message) for seq in list(sched.running) + list(sched.waiting)]
 
     def _repeats(self, step: Step, pending) -> bool:
         """Would the scheduler's next step decode exactly these sequences again? (and can it, cache-wise)"""
@@ -210,29 +393,62 @@ class Engine:
         return self._ahead is not None or self.scheduler.has_work()
 
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[TokenEvent]:
-        for rid in self._add_all(prompts, params):
-            pass
-        while self.has_unfinished():
-            yield from self.step()
+        """Events of these requests as their tokens come (checked now, queued when iteration starts). Each request
+        ends with one event whose ``finished`` is True (``token_id`` None when it was aborted or failed). Leaving
+        the loop early (closing the iterator) aborts the requests still running."""
+        return self._stream(self._requests(prompts, params))
+
+    def _stream(self, seqs: list[Sequence]) -> Iterator[TokenEvent]:
+        self._queue(seqs)
+        try:
+            for events in self._run(seqs):
+                yield from events
+        finally:
+            self._abort_unfinished(seqs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress=None) -> list[RequestOutput]:
-        ids = self._add_all(prompts, params)
+        """Run these requests to the end: one output per prompt, in order. Nothing is queued when any prompt is
+        refused; an interrupt (KeyboardInterrupt) aborts this call's requests, and the others go on."""
+        seqs = self._requests(prompts, params)
+        self._queue(seqs)
         t0, n = time.perf_counter(), 0
-        while self.has_unfinished():
-            n += len(self.step())
-            if progress is not None:
-                progress(n, time.perf_counter() - t0)
-        return [self.output(rid) for rid in ids]
+        try:
+            for events in self._run(seqs):
+                n += sum(e.token_id is not None for e in events)
+                if progress is not None:
+                    progress(n, time.perf_counter() - t0)
+        finally:
+            self._abort_unfinished(seqs)
+        return [self.output(s.request_id) for s in seqs]
 
-    def _add_all(self, prompts, params) -> list[int]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        return [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+    def _run(self, seqs: list[Sequence]) -> Iterator[list[TokenEvent]]:
+        """Step until every one of ``seqs`` has finished; per step, the events of ``seqs`` (others' requests
+        run too, their events are theirs). A request ended without an event of its own (``abort``) gets one."""
+        mine = {s.request_id: s for s in seqs}
+        while mine:
+            busy = any(s.status is not Status.FINISHED for s in mine.values())
+            events = [e for e in (self.step() if busy else []) if e.request_id in mine]
+            for e in events:
+                if e.finished:
+                    del mine[e.request_id]
+            for rid, s in list(mine.items()):
+                if s.status is Status.FINISHED:
+                    del mine[rid]
+                    events.append(TokenEvent(rid, None, True, s.finish_reason, s.error))
+            yield events
+
+    def _abort_unfinished(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+        self._drop_idle_ahead()
 
     def output(self, request_id: int) -> RequestOutput:
-        seq = self._seqs[request_id]
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in this engine")
         text = self.tokenizer.decode(seq.output) if self.tokenizer is not None else None
         return RequestOutput(seq.request_id, seq.prompt, list(seq.output),
-                             seq.finish_reason if seq.status is Status.FINISHED else None, text, seq.preemptions)
+                             seq.finish_reason if seq.status is Status.FINISHED else None, text, seq.preemptions,
+                             seq.error)

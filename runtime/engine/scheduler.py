@@ -5,7 +5,8 @@ allows it) or a decode of every running sequence (one token each). A sequence wh
 prefilled gets the next prefill step. Requests join between steps and leave
 when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
 its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
-so nothing is lost and no sequence ever writes into another's cache.
+so nothing is lost and no sequence ever writes into another's cache. A request ends (``finish``) when it
+stops, is aborted or fails; whatever it holds is free at once.
 """
 from __future__ import annotations
 
@@ -38,13 +39,18 @@ class Scheduler:
         self._moves: list[tuple[int, int]] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence) -> None:
+        """Refuse a request that could never run: alone in the cache it would not fit (so every request that
+        is admitted finishes, by preempting the others if need be)."""
         if self.blocks is not None:
             need = self.blocks.blocks_for(len(seq) + seq.params.max_tokens)
             if need > self.blocks.num_blocks - 1:
                 raise ValueError(f"request {seq.request_id} needs {need} cache blocks for its prompt and max_tokens "
-                                 f"but the cache has {self.blocks.num_blocks - 1}: raise the cache memory budget or "
-                                 "lower max_tokens")
+                                 f"but the cache has {self.blocks.num_blocks - 1}: raise the cache memory budget "
+                                 "(cache_memory, --cache-mb) or lower max_tokens")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -154,7 +160,13 @@ class Scheduler:
             self.running.remove(seq)
         self._sort_running()
 
+    def return_moves(self, moves: list[tuple[int, int]]) -> None:
+        """State-row moves of a step that did not apply them: they go first in the next step."""
+        self._moves[:0] = moves
+
     def preempt(self, seq: Sequence) -> None:
+        if seq.status is not Status.RUNNING:
+            raise ValueError(f"request {seq.request_id} is {seq.status.value}: only running sequences are preempted")
         self._release(seq)
         seq.num_cached = 0
         seq.status = Status.WAITING
@@ -163,6 +175,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (running or waiting) for ``reason``: its blocks and state row are free at once."""
+        if seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -1,0 +1,141 @@
+"""Property-based test of the scheduler and the allocators (hypothesis): any sequence of add / step / abort / preempt
+(and the reservations of a step launched ahead) keeps the bookkeeping whole. No block is owned twice, never block 0;
+free + owned blocks = all of them; every running sequence holds the blocks of its cached tokens and a state row, the
+rows stay compact (row i is the i-th running sequence's, holding its state after the queued moves); the scheduler
+always has a step while work is left, and draining the queue frees everything."""
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from runtime.engine.allocator import BlockAllocator, SlotAllocator
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import SamplingParams, Sequence, Status
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(2, 14), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 4),
+                max_prefill_tokens=st.integers(1, 6), kind=st.sampled_from(["attention", "ssm", "hybrid"]),
+                chunked=st.booleans())
+    def setup(self, num_blocks, block_size, max_num_seqs, max_prefill_tokens, kind, chunked):
+        self.blocks = BlockAllocator(num_blocks, block_size) if kind != "ssm" else None
+        self.slots = SlotAllocator(max_num_seqs) if kind != "attention" else None
+        self.sched = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
+                               max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked)
+        self.seqs: list[Sequence] = []
+        self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
+
+    # -- actions ----------------------------------------------------------------------------------------------
+    @rule(prompt=st.integers(1, 12), max_tokens=st.integers(1, 8))
+    def add(self, prompt, max_tokens):
+        seq = Sequence(list(range(3, 3 + prompt)), SamplingParams(max_tokens=max_tokens))
+        try:
+            self.sched.add(seq)
+        except ValueError:  # refused only when it could never fit the cache alone
+            assert self.blocks.blocks_for(prompt + max_tokens) > self.blocks.num_blocks - 1
+            return
+        self.seqs.append(seq)
+
+    @rule()
+    def step(self):
+        sched = self.sched
+        step = sched.schedule() or (sched.schedule() if sched.has_work() else None)  # as Engine._schedule
+        assert step is not None or not sched.has_work(), "work left but nothing schedulable: the engine would spin"
+        if step is not None:
+            self._run(step)
+
+    @precondition(lambda self: any(s.status is not Status.FINISHED for s in self.seqs))
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s.status is not Status.FINISHED]))
+        self.sched.finish(seq, "abort")
+
+    @precondition(lambda self: self.sched.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        self.sched.preempt(data.draw(st.sampled_from(self.sched.running)))
+
+    @precondition(lambda self: self.sched.running)
+    @rule()
+    def reserve_ahead(self):
+        """What a decode step launched ahead reserves (Engine._repeats): one more token for each decoder."""
+        for seq in list(self.sched.running):
+            if seq.num_uncached == 1:
+                self.sched.reserve(seq, len(seq) + 1)
+
+    def _run(self, step):
+        """The runner's bookkeeping of a step: moves, the cache rows it writes, tokens, finishing at max_tokens."""
+        for src, dst in step.moves:
+            self.rows[dst] = self.rows.pop(src)
+        if step.kind == "decode" and self.slots is not None:
+            assert [s.state_slot for s in step.seqs] == list(range(len(step.seqs)))
+        for seq, n in zip(step.seqs, step.num_tokens):
+            assert seq.status is Status.RUNNING and n >= 1
+            assert n == 1 if step.kind == "decode" else seq.num_uncached >= n
+            if self.blocks is not None:  # every token the step writes has its block
+                assert self.blocks.blocks_for(seq.num_cached + n) <= len(seq.blocks)
+            if self.slots is not None:
+                if seq.num_cached:  # continues from its own state
+                    assert self.rows[seq.state_slot] == seq.request_id
+                else:
+                    self.rows[seq.state_slot] = seq.request_id
+            seq.num_cached += n
+        for seq in step.seqs:  # then the engine's postprocessing (finishing one may move another's row)
+            if step.kind == "decode" or seq.num_uncached == 0:
+                seq.output.append(7)
+                if len(seq.output) >= seq.params.max_tokens:
+                    self.sched.finish(seq, "length")
+
+    # -- invariants -------------------------------------------------------------------------------------------
+    @invariant()
+    def bookkeeping(self):
+        sched = self.sched
+        running, waiting = list(sched.running), list(sched.waiting)
+        assert len(running) == len(set(running)) and len(waiting) == len(set(waiting))
+        assert not set(running) & set(waiting) and len(running) <= sched.max_num_seqs
+        for seq in self.seqs:
+            where = (seq in running) + (seq in waiting)
+            if seq.status is Status.FINISHED:
+                assert where == 0 and not seq.blocks and seq.state_slot is None
+            elif seq.status is Status.WAITING:
+                assert seq in waiting and where == 1 and not seq.blocks and seq.state_slot is None
+                assert seq.num_cached == 0
+            else:
+                assert seq in running and where == 1
+                if self.blocks is not None:  # it holds the blocks of its cached tokens
+                    assert self.blocks.blocks_for(seq.num_cached) <= len(seq.blocks)
+        if self.blocks is not None:
+            owned = [b for s in self.seqs for b in s.blocks]
+            free = list(self.blocks._free)
+            assert len(owned) == len(set(owned)), "a block owned twice"
+            assert 0 not in owned and 0 not in free and not set(owned) & set(free)
+            assert len(free) == len(set(free)) and len(free) + len(owned) == self.blocks.num_blocks - 1
+            assert self.blocks.num_free == len(free)
+        else:
+            assert not any(s.blocks for s in self.seqs)
+        if self.slots is not None:
+            assert set(self.slots.owners) == set(running)
+            assert all(s.state_slot == i for i, s in enumerate(self.slots.owners))
+            rows = dict(self.rows)  # the states after the moves the next step applies
+            for src, dst in sched._moves:
+                rows[dst] = rows.pop(src)
+            for seq in running:
+                if seq.num_cached:
+                    assert rows.get(seq.state_slot) == seq.request_id, "a running sequence lost its state row"
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(10_000):  # every admitted request finishes
+            if not self.sched.has_work():
+                break
+            self.step()
+        assert not self.sched.has_work()
+        if self.blocks is not None:
+            assert self.blocks.num_free == self.blocks.num_blocks - 1
+        if self.slots is not None:
+            assert self.slots.num_used == 0
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None, database=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+test_scheduler_keeps_its_invariants = SchedulerMachine.TestCase
