@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -483,9 +484,12 @@ def compile_check() -> None:
 
 
 def bundled_ptxas():
-    """The ptxas that ships with Triton (None where it does not)."""
+    """The ptxas that ships with Triton, else the one Triton is told to use (``TRITON_PTXAS_PATH``) or the CUDA
+    toolkit's on the PATH or in /usr/local/cuda (None where there is none)."""
     d = Path(triton.__file__).parent / "backends/nvidia/bin"
-    return next((p for p in (d / "ptxas-blackwell", d / "ptxas") if p.exists()), None)
+    found = [d / "ptxas-blackwell", d / "ptxas", os.environ.get("TRITON_PTXAS_PATH"), shutil.which("ptxas"),
+             "/usr/local/cuda/bin/ptxas"]
+    return next((Path(p) for p in found if p and Path(p).exists()), None)
 
 
 def compile_wg(page: int, direct: bool, heads: int = 128):
