@@ -105,3 +105,15 @@ def test_a_model_that_adds_cache_rows_is_refused():
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(Unsupported, match="caches 10 key rows for a 2-token prompt"):
         Engine(model, compile=None)
+
+
+def test_attention_of_the_models_own_gets_contiguous_gathered_keys():
+    """An attention module that does not call HF's attention functions (it views the keys the cache returns) gets
+    them gathered and contiguous: HF's greedy tokens, uncompiled and compiled; paged decode, which would hand it the
+    raw buffer, is refused by name."""
+    model = _model("gpt_neox_japanese", intermediate_multiple_size=1, rotary_pct=0.5)
+    want = _hf_greedy(model)
+    assert _engine(model, compile=None) == want
+    assert _engine(model, compile="hybrid-eager") == want
+    with pytest.raises(Unsupported, match="paged decode for attention that does not call HF's attention functions"):
+        Engine(model, compile=None, paged_decode=True)

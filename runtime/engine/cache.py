@@ -154,6 +154,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.block_table = self.seq_lens = None  # paged MLA decode steps: [B, W] int32 blocks, [B] int32
         self.paged = False  # decode step read in place (attention.py; MLA: kernels/mla/ops.py)
+        self.contiguous = False  # gathered keys / values returned contiguous (a model's own attention views them)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # buffers exist from the start
@@ -177,6 +178,8 @@ class PagedAttentionLayer(CacheLayerMixin):
         kv = self.buf[self.gather_idx].transpose(1, 2)  # [B, H, S, Dv + Dk]
         if self.latent:
             return kv[..., :self.k_dim], kv[..., self.k_dim:]
+        if self.contiguous:
+            return kv[..., self.v_dim:].contiguous(), kv[..., :self.v_dim].contiguous()
         return kv[..., self.v_dim:], kv[..., :self.v_dim]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -278,7 +281,7 @@ class PagedAttentionAndStateLayer(SlotStateLayer, PagedAttentionLayer):
 
 class PagedCache(Cache):
     def __init__(self, specs: list[LayerSpec], num_rows: int, num_state_rows: int, dtype, device,
-                 latent: bool = False, block_size: int = 1):
+                 latent: bool = False, block_size: int = 1, contiguous: bool = False):
         def layer(s: LayerSpec):
             if s.kind == "attention+ssm":
                 return PagedAttentionAndStateLayer(num_rows, num_state_rows, s, dtype, device, latent, block_size)
@@ -288,6 +291,8 @@ class PagedCache(Cache):
         layers = [layer(s) for s in specs]
         super().__init__(layers=layers)
         self.attention = [l for l in layers if isinstance(l, PagedAttentionLayer)]
+        for l in self.attention:  # attention code of the model's own that views the keys (features.own_attention)
+            l.contiguous = contiguous
         self.states = [l for l in layers if isinstance(l, SlotStateLayer)]
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,

@@ -20,7 +20,7 @@ from runtime.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
 from .cache import PagedCache, discover_layers, ssm_chunking_problem
-from .features import check_model
+from .features import Unsupported, check_model, own_attention
 from .model_runner import ModelRunner, decode_bucket
 from .scheduler import Scheduler, Step
 from .sequence import (RequestOutput, SamplingParams, Sequence, Status, TokenEvent, check_bool, check_int,
@@ -98,11 +98,16 @@ class Engine:
         state_rows = (decode_bucket(max_num_seqs) if bucket_decode else max_num_seqs) if has_ssm else 0
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
         mla = hasattr(text_config, "kv_lora_rank")
+        own = own_attention(model) if has_attn and not mla else []
+        if own and paged_decode:
+            raise Unsupported(f"paged decode for attention that does not call HF's attention functions ({own[0]}); "
+                              "leave paged_decode unset")
         if paged_decode is None:  # decode attention over the pages in place: MLA layers on any device once the
             # MLA pass rewrites them (kernels/mla/ops.py), MHA/GQA layers on the GPU (attention.py)
-            paged_decode = has_attn and (mla or self.device.type == "cuda")
+            paged_decode = has_attn and not own and (mla or self.device.type == "cuda")
         self.cache = PagedCache(specs, num_blocks * block_size if has_attn else 1, state_rows, self.dtype,
-                                self.device, latent=mla and paged_decode, block_size=block_size)
+                                self.device, latent=mla and paged_decode, block_size=block_size,
+                                contiguous=bool(own))
         self.blocks = BlockAllocator(num_blocks, block_size) if has_attn else None
         self.slots = SlotAllocator(max_num_seqs) if has_ssm else None
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
@@ -242,6 +247,8 @@ class Engine:
         """End a request now, waiting or running: its blocks and state row are free at once, its output keeps the
         tokens it had with ``finish_reason="abort"``. False when it had already finished. Call it from the thread
         that steps the engine (between steps, or inside a ``stream`` loop)."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise TypeError(f"abort: request_id must be an int (from add_request), got {type(request_id).__name__}")
         seq = self._seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")

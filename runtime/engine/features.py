@@ -29,6 +29,15 @@ def _has_attention_projections(m: nn.Module) -> bool:
     return ("q_proj" in children and "k_proj" in children) or "qkv_proj" in children or "query_key_value" in children
 
 
+def own_attention(model: nn.Module) -> list[str]:
+    """The classes of attention modules whose code does not call HF's attention functions
+    (``ALL_ATTENTION_FUNCTIONS``): they compute attention themselves over the keys the cache returns, so the engine
+    gives them gathered, contiguous keys and never its paged buffers."""
+    import sys
+    return sorted({type(m).__name__ for _, m in model.named_modules() if _has_attention_projections(m)
+                   and not hasattr(sys.modules.get(type(m).__module__), "ALL_ATTENTION_FUNCTIONS")})
+
+
 def _check_config(cfg) -> None:
     """Refuse the configuration-level features (a multimodal wrapper's and its language model's configs)."""
     alibi = getattr(cfg, "alibi", False) or getattr(getattr(cfg, "attn_config", None), "alibi", False) \
