@@ -7,7 +7,7 @@ import torch
 
 from kernels.linear.reference import add_rms_norm_ref
 from kernels.moe import reference as moe_reference
-from kernels.moe.reference import ACTIVATIONS, activation_fn
+from kernels.moe.reference import ACTIVATIONS, ELEMENTWISE, activation_fn
 from kernels.moe.spec import ExpertsSpec
 from kernels.numerics import close
 
@@ -21,10 +21,10 @@ def identify_activation(act: torch.nn.Module | None) -> str:
     t = torch.linspace(-6, 6, 97)
     with eager_probe():
         got = act(t)
-    for name in ACTIVATIONS:
+    for name in ELEMENTWISE:
         if torch.allclose(got, activation_fn(name)(t), atol=1e-6, rtol=1e-5):
             return name
-    raise Skip(f"expert activation {type(act).__name__} is not one of {', '.join(ACTIVATIONS)}")
+    raise Skip(f"expert activation {type(act).__name__} is not one of {', '.join(ELEMENTWISE)}")
 
 
 def rmsnorm_eps(m: torch.nn.Module | None) -> float | None:

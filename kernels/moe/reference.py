@@ -24,8 +24,10 @@ import torch.nn.functional as F
 
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk")
 #: activations of the experts: act(gate) * up (gated) or act(up); "swiglu_clamp" (gated only, gpt-oss):
-#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit)
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp")
+#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit); "relu2": relu(x)^2
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp", "relu2")
+#: the activations that act on one tensor (all but swiglu_clamp)
+ELEMENTWISE = tuple(a for a in ACTIVATIONS if a != "swiglu_clamp")
 
 
 def check_route_args(num_experts: int, method: str, top_k: int, n_group: int, topk_group: int) -> None:
@@ -95,6 +97,8 @@ def activation_fn(name: str):
         return lambda v: F.gelu(v, approximate="tanh")
     if name == "relu":
         return F.relu
+    if name == "relu2":
+        return lambda v: F.relu(v).square()
     raise ValueError(f"unknown MoE activation {name!r}; expected one of {ACTIVATIONS}")
 
 

@@ -34,7 +34,8 @@ _ACT_ID = {a: i for i, a in enumerate(ACTIVATIONS)}
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu (4, swiglu_clamp, combines gate and up: _glu)
+    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu, 5 relu squared (4, swiglu_clamp, combines gate and
+    # up: _glu)
     if ACT == 0:
         return x / (1.0 + tl.exp(-x))
     elif ACT == 1:
@@ -42,6 +43,9 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == 2:
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         return 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(u) = 2 * sigmoid(2u)
+    elif ACT == 5:
+        r = tl.maximum(x, 0.0)
+        return r * r
     else:
         return tl.maximum(x, 0.0)
 

@@ -171,6 +171,7 @@ EXPERT_CASES = [  # T, E, H, I, k, gated, interleaved, activation, dtype, config
     (37, 6, 48, 40, 2, True, False, "silu", torch.float32, None, "random"),
     (37, 6, 48, 40, 2, True, True, "gelu", torch.float32, None, "unused"),
     (37, 6, 48, 40, 2, False, False, "gelu_tanh", torch.float32, None, "random"),
+    (21, 6, 48, 40, 2, False, False, "relu2", torch.float32, None, "random"),
     (37, 6, 48, 40, 3, True, True, "relu", torch.float32, SPLIT_CFG, "unused"),
     (37, 6, 48, 40, 1, True, False, "silu", torch.float32, SPLIT_CFG, "one"),
     (37, 6, 48, 40, 2, True, False, "silu", torch.float16, SPLIT_CFG, "random"),
@@ -214,7 +215,8 @@ def _experts_loop(x, w13, w2, weights, ids, gated, interleaved, activation):
 
 
 @pytest.mark.parametrize("gated,interleaved,activation", [(True, False, "silu"), (True, True, "gelu_tanh"),
-                                                           (False, False, "relu"), (True, False, "gelu")])
+                                                           (False, False, "relu"), (True, False, "gelu"),
+                                                           (False, False, "relu2")])
 def test_reference_experts_matches_token_loop(gated, interleaved, activation):
     T, E, H, I, k = 9, 5, 24, 20, 2
     x = randn(T, H, device="cpu")
