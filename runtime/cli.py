@@ -25,6 +25,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 #: errors that mean the input was wrong (exit 2); any other exception is a failure of the run (exit 1)
 EXPECTED = (ValueError, KeyError, OSError)
+#: the pass names ``--disable`` takes (passes.PASS_NAMES, written out so that parsing flags imports no kernels;
+#: tests/test_cli_errors.py checks the two agree)
+PASSES = ("mla", "mla_step", "ssm", "moe", "complex", "linear", "norm", "glu")
 #: the flags that set SamplingParams fields (their checks are SamplingParams')
 SAMPLING_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
                   "top_p": "--top-p", "seed": "--seed"}
@@ -271,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="deepseek_v3", help="zoo model (see `hybrid zoo list`)")
     d.add_argument("--tokens", type=_int_at_least(1), default=12, help="prompt length")
     d.add_argument("--new-tokens", type=_int_at_least(1), default=8, help="tokens to generate")
-    d.add_argument("--disable", action="append", help="turn a pass off (mla, mla_step, ssm, moe, complex, linear, norm, glu); repeatable")
+    d.add_argument("--disable", action="append", choices=PASSES, metavar="PASS",
+                   help=f"turn a pass off ({', '.join(PASSES)}); repeatable")
     d.set_defaults(fn=cmd_demo)
 
     e = sub.add_parser("explain", parents=[debug, loading],
@@ -283,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--generate", type=_int_at_least(0), default=2, help="decode steps to trace too (0: prefill only)")
     e.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     e.add_argument("--device", type=_device, default="cpu")
-    e.add_argument("--disable", action="append", help="turn a pass off (mla, mla_step, ssm, moe, complex, linear, norm, glu); repeatable")
+    e.add_argument("--disable", action="append", choices=PASSES, metavar="PASS",
+                   help=f"turn a pass off ({', '.join(PASSES)}); repeatable")
     e.add_argument("--verify", action="store_true", help="check each rewrite against eager on the example inputs")
     e.set_defaults(fn=cmd_explain)
 

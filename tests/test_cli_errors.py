@@ -342,3 +342,11 @@ def test_cli_debug_shows_the_traceback(saved, tmp_path, run_cli, monkeypatch):
     monkeypatch.setenv("HYBRID_DEBUG", "1")
     code, out, err = run_cli("explain", path)
     assert code == 2 and "Traceback" in err and "LoadError" in err and not out
+
+
+def test_disable_takes_only_pass_names(run_cli):
+    """``--disable`` is checked when the flags are parsed, before any model loads, against the pipeline's names."""
+    import passes
+    assert list(cli.PASSES) == passes.PASS_NAMES
+    code, out, err = run_cli("explain", "llama", "--disable", "bogus")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "invalid choice: 'bogus'" in err and "glu" in err

@@ -254,6 +254,8 @@ def test_abort_waiting_running_and_finished_requests(name):
     assert engine.abort(ids[1]) is False  # finished already
     with pytest.raises(KeyError, match="no request 123456 in this engine"):
         engine.abort(123456)
+    with pytest.raises(TypeError, match="request_id must be an int"):
+        engine.abort("x")
     assert_idle(engine)
 
 
