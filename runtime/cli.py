@@ -144,9 +144,10 @@ def cmd_demo(args) -> int:
 
 def _prompt_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. 5,6,7, got {text!r}") from None
+    return ids
 
 
 def cmd_generate(args) -> int:

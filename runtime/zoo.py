@@ -326,4 +326,9 @@ def save(name: str, directory: str | Path, dtype: torch.dtype = torch.float32, *
     for written in ("config.json", "model.safetensors"):
         if not (directory / written).is_file():
             raise OSError(f"writing {directory} left no {written}: check that the path is writable")
+    # transformers writes the weights through a private temporary file (mode 0600): give them config.json's mode,
+    # which is what the user's umask makes of a new file
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for weights in directory.glob("model*.safetensors"):
+        weights.chmod(mode)
     return directory

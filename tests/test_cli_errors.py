@@ -257,6 +257,8 @@ def test_zoo_save_never_overwrites_by_accident(tmp_path, run_cli):
     assert (full / "notes.txt").read_text() == "mine" and not (full / "model-00001-of-00002.safetensors").exists()
     code, out, err = run_cli("zoo", "save", "llama", tmp_path / "fresh" / "deeper")
     assert code == 0 and (tmp_path / "fresh" / "deeper" / "model.safetensors").is_file()
+    fresh = tmp_path / "fresh" / "deeper"  # the weights are as readable as the config (the umask decides)
+    assert (fresh / "model.safetensors").stat().st_mode & 0o777 == (fresh / "config.json").stat().st_mode & 0o777
 
 
 # -- the CLI's errors ------------------------------------------------------------------------------------------------
@@ -277,6 +279,9 @@ def test_zoo_save_never_overwrites_by_accident(tmp_path, run_cli):
     (["generate", "llama", "--prompt-ids", "5", "--seed", "-3"], r"argument --seed: SamplingParams: seed must be in"),
     (["generate", "llama", "--prompt-ids", "5", "--cache-mb", "0"], "argument --cache-mb: must be an integer >= 1"),
     (["generate", "llama", "--prompt-ids", "5,x"], "argument --prompt-ids: takes comma-separated integers"),
+    (["generate", "llama", "--prompt-ids", "5,,7"], "argument --prompt-ids: takes comma-separated integers"),
+    (["generate", "llama", "--compile", "hybrid-cudagraphs", "--prompt-ids", "5", "--device", "cpu"],
+     "compile='hybrid-cudagraphs' records CUDA graphs and needs the model on a CUDA device"),
     (["generate", "llama", "--compile", "none"], "give at least one --prompt or --prompt-ids"),
     (["generate", "llama", "--compile", "none", "--prompt", "hello"], "prompt: this model has no tokenizer"),
     (["generate", "llama", "--compile", "none", "--prompt-ids", "5,300"],

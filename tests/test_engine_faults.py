@@ -107,6 +107,7 @@ def reference(name: str, prompts, params) -> list:
     (dict(cache_memory="1G"), TypeError, "cache_memory must be an integer, got '1G'"),
     (dict(cache_memory=0), ValueError, "cache_memory must be >= 1"),
     (dict(compile="fast"), ValueError, "compile must be one of 'auto'.*got 'fast'"),
+    (dict(compile="hybrid-cudagraphs"), ValueError, "records CUDA graphs and needs the model on a CUDA device"),
     (dict(overlap="yes"), TypeError, "overlap must be True or False"),
     (dict(bucket_decode=1), TypeError, r"bucket_decode must be True or False \(or None\)"),
     (dict(compile_options=["moe"]), TypeError, "compile_options must be a dict"),
@@ -290,6 +291,35 @@ def test_a_stream_reports_a_request_aborted_while_it_runs():
     aborted = last[events[2].request_id]
     assert (aborted.token_id, aborted.finish_reason) == (None, "abort")
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("name", ["llama", "mamba2"])
+def test_open_streams_and_a_generate_inside_one_each_get_all_their_tokens(name):
+    """Whichever call steps the engine runs every request: two streams read in turn and a generate called inside a
+    stream loop each get every token of their own requests, equal to running them alone."""
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    want = reference(name, PROMPTS, params)
+    engine = Engine(zoo.build(name), compile=None)
+    first, second = engine.stream([PROMPTS[0]], params), engine.stream([PROMPTS[1]], params)
+    got = {0: [], 1: []}
+
+    def interleave():
+        inner = None
+        for a, b in zip(first, second):
+            got[0].append(a)
+            got[1].append(b)
+            if inner is None:
+                inner = engine.generate([PROMPTS[2]], params)
+        return inner
+    inner = within(60, interleave)
+    got[0] += list(first)
+    got[1] += list(second)
+    for i in (0, 1):
+        assert [e.token_id for e in got[i]] == want[i] and got[i][-1].finished
+        assert sum(e.finished for e in got[i]) == 1
+    assert inner[0].token_ids == want[2]
+    assert_idle(engine)
+    assert not engine._inbox
 
 
 # -- steps that raise -------------------------------------------------------------------------------------------

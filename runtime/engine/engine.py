@@ -90,6 +90,9 @@ class Engine:
         self.prefill_note = ssm_chunking_problem(model, num_state_layers) if has_ssm else None
         if compile == "auto":
             compile = "hybrid-cudagraphs" if self.device.type == "cuda" else "hybrid-eager"
+        if compile == "hybrid-cudagraphs" and self.device.type != "cuda":
+            raise ValueError(f"compile='hybrid-cudagraphs' records CUDA graphs and needs the model on a CUDA device, got "
+                             f"{self.device}: use compile='hybrid' or 'auto'")
         if bucket_decode is None:  # CUDA graphs need repeating shapes: decode batches padded to buckets
             bucket_decode = compile == "hybrid-cudagraphs"
         elif not bucket_decode and compile == "hybrid-cudagraphs":
@@ -118,6 +121,10 @@ class Engine:
         self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, failed_steps=0)
         self.overlap = overlap
         self._ahead = None  # (step, pending): a decode step launched before the previous one was read
+        # events of the requests a stream / generate call waits on, kept per request until that call takes them:
+        # any caller's step runs every request, so two open streams (or a generate inside a stream loop) each get
+        # their own requests' events whichever of them stepped
+        self._inbox: dict[int, list[TokenEvent]] = {}
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -275,6 +282,14 @@ class Engine:
         A step that raises fails the requests it ran: each gets a last event with ``finish_reason="error"`` and
         the message, its blocks and state row are freed, and the next call goes on with the others. An interrupt
         (KeyboardInterrupt) puts the step's sequences back in the queue, recomputed from their tokens later."""
+        events = self._step()
+        for e in events:
+            box = self._inbox.get(e.request_id)
+            if box is not None:
+                box.append(e)
+        return events
+
+    def _step(self) -> list[TokenEvent]:
         step, events = None, []
         try:
             if self._ahead is not None:
@@ -430,20 +445,38 @@ class Engine:
         return [self.output(s.request_id) for s in seqs]
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[TokenEvent]]:
-        """Step until every one of ``seqs`` has finished; per step, the events of ``seqs`` (others' requests
-        run too, their events are theirs). A request ended without an event of its own (``abort``) gets one."""
+        """Step until every one of ``seqs`` has finished; per step, the events of ``seqs`` (other requests run too,
+        their events go to their own callers). A request ended without an event of its own (``abort``) gets one."""
         mine = {s.request_id: s for s in seqs}
-        while mine:
-            busy = any(s.status is not Status.FINISHED for s in mine.values())
-            events = [e for e in (self.step() if busy else []) if e.request_id in mine]
-            for e in events:
-                if e.finished:
-                    del mine[e.request_id]
-            for rid, s in list(mine.items()):
-                if s.status is Status.FINISHED:
-                    del mine[rid]
-                    events.append(TokenEvent(rid, None, True, s.finish_reason, s.error))
-            yield events
+        for rid in mine:
+            self._inbox[rid] = []
+        try:
+            while mine:
+                events = self._take(mine)
+                if not events and any(s.status is not Status.FINISHED for s in mine.values()):
+                    self.step()
+                    events = self._take(mine)
+                for e in events:
+                    if e.finished:
+                        del mine[e.request_id]
+                for rid, s in list(mine.items()):
+                    if s.status is Status.FINISHED:
+                        del mine[rid]
+                        events.append(TokenEvent(rid, None, True, s.finish_reason, s.error))
+                yield events
+        finally:
+            for s in seqs:
+                self._inbox.pop(s.request_id, None)
+
+    def _take(self, mine: dict[int, Sequence]) -> list[TokenEvent]:
+        """The events waiting for these requests, in step order (each request's own order is kept)."""
+        events = []
+        for rid in mine:
+            box = self._inbox[rid]
+            if box:
+                events.extend(box)
+                box.clear()
+        return events
 
     def _abort_unfinished(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
