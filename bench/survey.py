@@ -3,6 +3,7 @@
     python bench/survey.py --jobs 2 --out bench/results/survey_cpu.json     # all of them (markdown next to it)
     python bench/survey.py --models llama,mixtral --out /tmp/s.json
     python bench/survey.py --sample                                          # the fixed CI sample
+    python bench/survey.py --sample --device cuda --out /tmp/s.json          # the same on the GPU (Triton kernels)
 
 Per architecture, in a subprocess of its own (a crash or a hang stops only that one):
 1. build: ``AutoConfig.for_model`` shrunk generically (``shrink``), random weights, fp32, eval;
@@ -11,7 +12,9 @@ Per architecture, in a subprocess of its own (a crash or a hang stops only that 
    time for the engine; a failure here is HF's ("hf-fails"), not ours;
 4. ``compiler.explain`` over prefill and decode graphs (an exception: a crash of ours);
 5. ``torch.compile(model.forward, backend="hybrid")``: logits relative error and greedy tokens vs eager;
-6. ``Engine(compile="hybrid-eager")`` on three prompts vs HF greedy per prompt.
+6. ``Engine`` on three prompts vs HF greedy per prompt (``hybrid-eager`` on the CPU, ``hybrid-cudagraphs`` on
+   the GPU: Triton kernels and recorded decode steps).
+On the GPU (``--device cuda``) everything runs in fp32 with TF32 off, so tokens are compared exactly there too.
 Outcome per architecture: the worst of crash > wrong > refused > ok, or "unbuildable" / "hf-fails".
 """
 from __future__ import annotations
@@ -259,7 +262,7 @@ def tiny_config(model_type: str):
     return AutoConfig.for_model(model_type, **overrides)
 
 
-def build(model_type: str):
+def build(model_type: str, device: str = "cpu"):
     """The tiny model: random weights, fp32, eval, seed fixed. HF initialises routers, biases and some gates to
     zero: those get random values too (as runtime/zoo.py does), so nothing is tested on zeros."""
     import torch
@@ -272,7 +275,7 @@ def build(model_type: str):
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_floating_point() and t.numel() and not t.any() and "inv_freq" not in name:
                 t.copy_(torch.randn(t.shape, generator=g) * 0.1)
-    return model.eval()
+    return model.to(device).eval()
 
 
 # -- one architecture (in its child process) ----------------------------------------------------------------
@@ -320,7 +323,7 @@ def hf_reference(model, ids, engine_prompts, ref: dict) -> dict:
         ref["static"] = _generate(model, ids, cache_implementation="static")
     except Exception as e:
         ref["static"] = f"n/a: {type(e).__name__}: {str(e).strip()[:200]}"
-    ref["engine"] = [_generate(model, torch.tensor([p]))[0].tolist() for p in engine_prompts]
+    ref["engine"] = [_generate(model, torch.tensor([p], device=ids.device))[0].tolist() for p in engine_prompts]
     return dict(static=ref["static"] if isinstance(ref["static"], str) else "ok", engine_ref=ref["engine"])
 
 
@@ -359,10 +362,12 @@ def compile_stage(model, ids, ref: dict) -> dict:
 
 
 def engine_stage(model, engine_prompts, ref: list[list[int]]) -> dict:
-    """The engine (hybrid-eager) on prompts of three lengths vs HF greedy per prompt."""
+    """The engine (hybrid-eager on the CPU, hybrid-cudagraphs on the GPU) on prompts of three lengths vs HF greedy
+    per prompt."""
     from runtime.engine import Engine, SamplingParams
+    mode = "hybrid-cudagraphs" if next(model.parameters()).is_cuda else "hybrid-eager"
     try:
-        engine = Engine(model, compile="hybrid-eager", max_num_seqs=4, block_size=4)
+        engine = Engine(model, compile=mode, max_num_seqs=4, block_size=4, cache_memory=64 << 20)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         if "\n" not in str(e).strip():
             return dict(outcome="refused", reason=f"{type(e).__name__}: {str(e).strip()}")
@@ -377,7 +382,7 @@ def engine_stage(model, engine_prompts, ref: list[list[int]]) -> dict:
     return dict(outcome="ok")
 
 
-def survey_one(model_type: str, result_path: Path) -> None:
+def survey_one(model_type: str, result_path: Path, device: str = "cpu") -> None:
     """Every stage for one architecture; the result file is rewritten after each stage (a timeout keeps them)."""
     import torch
     from graphs.modules import classify
@@ -402,7 +407,7 @@ def survey_one(model_type: str, result_path: Path) -> None:
         tmp.replace(result_path)
 
     def built(holder):
-        model = holder["model"] = build(model_type)
+        model = holder["model"] = build(model_type, device)
         layers = next((getattr(model.config, k) for k in LAYER_COUNTS
                        if type(getattr(model.config, k, None)) is int), None)
         kinds = [classify(m) for m in model.modules()]
@@ -413,13 +418,13 @@ def survey_one(model_type: str, result_path: Path) -> None:
     if "error" in stage("build", built, holder):
         return
     model = holder["model"]
-    ids = torch.tensor(prompts(model.config, [9, 9]))
+    ids = torch.tensor(prompts(model.config, [9, 9]), device=device)
     engine_prompts = prompts(model.config, [5, 9, 13], seed=SEED + 1)
     if "error" in stage("hf", hf_reference, model, ids, engine_prompts, ref):
         return
-    stage("explain", explain_stage, build(model_type), ids)
-    stage("compile", compile_stage, build(model_type), ids, ref)
-    stage("engine", engine_stage, build(model_type), engine_prompts, ref["engine"])
+    stage("explain", explain_stage, build(model_type, device), ids)
+    stage("compile", compile_stage, build(model_type, device), ids, ref)
+    stage("engine", engine_stage, build(model_type, device), engine_prompts, ref["engine"])
     r["stage"] = "done"
     save()
 
@@ -461,7 +466,7 @@ def outcome(r: dict) -> tuple[str, str]:
     return min(found, key=lambda f: OUTCOMES.index(f[0]))
 
 
-def run_one(model_type: str, timeout: float = TIMEOUT_S, threads: int = 1) -> dict:
+def run_one(model_type: str, timeout: float = TIMEOUT_S, threads: int = 1, device: str = "cpu") -> dict:
     """One architecture in a child process; a timeout or a dead process is recorded in its stage."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -469,7 +474,7 @@ def run_one(model_type: str, timeout: float = TIMEOUT_S, threads: int = 1) -> di
         env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": str(threads),
                "PYTHONWARNINGS": "ignore"}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model_type, "--result", str(path),
-               "--threads", str(threads)]
+               "--threads", str(threads), "--device", device]
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                     start_new_session=True)
@@ -602,12 +607,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", action="store_true", help="the fixed CI sample")
     ap.add_argument("--out", help="JSON path (markdown next to it)")
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the models run (cuda: fp32, TF32 off, Triton kernels, CUDA graphs in the engine)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        return child(args.child, Path(args.result), args.threads)
+        return child(args.child, Path(args.result), args.threads, args.device)
     archs = SAMPLE if args.sample else args.models.split(",") if args.models else list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     results, t0 = {}, time.perf_counter()
@@ -617,7 +624,7 @@ def main(argv=None) -> int:
                                                      capture_output=True, text=True).stdout.strip() or "unknown"
 
     def one(arch, timeout=args.timeout):
-        r = run_one(arch, timeout, threads)
+        r = run_one(arch, timeout, threads, args.device)
         results[arch] = r
         if args.out:  # partial results as they come
             write(Path(args.out), [results[a] for a in archs if a in results], len(archs))
@@ -636,16 +643,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def child(model_type: str, result: Path, threads: int) -> int:
+def child(model_type: str, result: Path, threads: int, device: str = "cpu") -> int:
     """The child process: quiet, single-threaded as asked, Triton's interpreter on a CPU-only machine."""
     import torch
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if device == "cuda":  # exact fp32 on the GPU too: no TF32 in matmuls or convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(threads)
     sys.path.insert(0, str(ROOT))
     import transformers
     transformers.logging.set_verbosity_error()
-    survey_one(model_type, result)
+    survey_one(model_type, result, device)
     return 0
 
 
