@@ -207,7 +207,7 @@ def cmd_zoo(args) -> int:
         return 0
     _say(f"building {args.name} ...")
     path = zoo.save(args.name, args.dir, dtype=_dtype(args.dtype), force=args.force)
-    print(f"wrote {path} (config.json + model.safetensors); try: hybrid explain {path}")
+    print(f"wrote {path} (config.json + model.safetensors + a character tokenizer); try: hybrid explain {path}")
     return 0
 
 

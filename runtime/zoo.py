@@ -2,7 +2,8 @@
 
 Tiny entries build in well under a second on a CPU and are what the tests use. Entries ending in
 ``-shape`` have the widths of real checkpoints with only a few layers; they are for GPU benchmarks.
-``hybrid zoo save NAME DIR`` writes any entry as an HF model directory (config.json + safetensors).
+``hybrid zoo save NAME DIR`` writes any entry as an HF model directory (config.json + safetensors + the character
+tokenizer of runtime/tokenizer.py, which ``load_tokenizer`` also gives for a zoo name).
 
 ``load`` of a model directory refuses one that is not what its files say: weights that do not match its
 config.json, unreadable JSON or safetensors files, a directory that needs its own Python code (never run unless
@@ -191,7 +192,11 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "c
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """The directory's tokenizer, None when it has no tokenizer files; its files' errors are one LoadError line."""
+    """A zoo entry's character tokenizer (runtime/tokenizer.py), or the directory's tokenizer: None when it has no
+    tokenizer files; its files' errors are one LoadError line."""
+    if name_or_path in ZOO:
+        from runtime.tokenizer import char_tokenizer
+        return char_tokenizer(make_config(name_or_path))
     path = Path(name_or_path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
@@ -319,10 +324,12 @@ def save(name: str, directory: str | Path, dtype: torch.dtype = torch.float32, *
                                   f"{', ...' if len(entries) > 3 else ''}): give a new or empty directory, or --force "
                                   "(force=True) to replace its model files")
         for pattern in ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-                        "pytorch_model*.bin", "pytorch_model.bin.index.json"):
+                        "pytorch_model*.bin", "pytorch_model.bin.index.json", *TOKENIZER_FILES, "special_tokens_map.json",
+                        "chat_template.jinja"):
             for old in directory.glob(pattern):
                 old.unlink()
     build(name, dtype=dtype).save_pretrained(directory)
+    load_tokenizer(name).save_pretrained(directory)
     for written in ("config.json", "model.safetensors"):
         if not (directory / written).is_file():
             raise OSError(f"writing {directory} left no {written}: check that the path is writable")

@@ -262,6 +262,19 @@ def test_zoo_save_never_overwrites_by_accident(tmp_path, run_cli):
 
 
 # -- the CLI's errors ------------------------------------------------------------------------------------------------
+def test_text_prompts_need_tokenizer_files(tmp_path, run_cli):
+    """A zoo model and the directory zoo save writes have a character tokenizer; without its files, text is refused."""
+    code, out, err = run_cli("zoo", "save", "llama", tmp_path / "m")
+    assert code == 0
+    for args in (["llama"], [tmp_path / "m"]):
+        code, out, err = run_cli("generate", *args, "--compile", "none", "--prompt", "hello", "--max-new-tokens", "3")
+        assert code == 0 and out.startswith("[0] "), err
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "m" / f).unlink()
+    code, out, err = run_cli("generate", tmp_path / "m", "--compile", "none", "--prompt", "hello")
+    assert code == 2 and not out and "prompt: this model has no tokenizer" in error_line(err)
+
+
 @pytest.mark.parametrize("args, message", [
     (["demo", "--tokens", "0"], "argument --tokens: must be an integer >= 1, got 0"),
     (["demo", "--new-tokens", "x"], "argument --new-tokens: must be an integer >= 1, got 'x'"),
@@ -283,7 +296,6 @@ def test_zoo_save_never_overwrites_by_accident(tmp_path, run_cli):
     (["generate", "llama", "--compile", "hybrid-cudagraphs", "--prompt-ids", "5", "--device", "cpu"],
      "compile='hybrid-cudagraphs' records CUDA graphs and needs the model on a CUDA device"),
     (["generate", "llama", "--compile", "none"], "give at least one --prompt or --prompt-ids"),
-    (["generate", "llama", "--compile", "none", "--prompt", "hello"], "prompt: this model has no tokenizer"),
     (["generate", "llama", "--compile", "none", "--prompt-ids", "5,300"],
      r"prompt: token ids \[300\] are outside the vocabulary \[0, 256\)"),
     (["generate", "llama", "--compile", "none", "--prompt-ids", "5", "--max-new-tokens", "300"],

@@ -144,7 +144,7 @@ class Engine:
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model = zoo.load(name_or_path, dtype=dtype, device=device, allow_missing_weights=allow_missing_weights,
                          trust_remote_code=trust_remote_code)
-        tokenizer = None if name_or_path in zoo.ZOO else zoo.load_tokenizer(name_or_path, trust_remote_code)
+        tokenizer = zoo.load_tokenizer(name_or_path, trust_remote_code)
         return cls(model, tokenizer=tokenizer, **kwargs)
 
     @staticmethod
