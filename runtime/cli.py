@@ -3,6 +3,7 @@
     hybrid demo [--model deepseek_v3]      compile a zoo model, show the explain table, compare with eager
     hybrid explain MODEL [--json]          every MLA / SSM / MoE region and what the passes did with it
     hybrid generate MODEL --prompt-ids 5,6,7 [--prompt "text"] [--json]   continuous-batching engine
+    hybrid serve MODEL [--host 127.0.0.1 --port 8000]     OpenAI-compatible HTTP server over the engine
     hybrid zoo list | hybrid zoo save NAME DIR [--force]
 
 Every error is one line on stderr, ``hybrid: error: ...``: exit code 2 for bad input (flags, model files, devices),
@@ -199,6 +200,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import importlib.util
+
+    import torch
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"hybrid serve needs starlette and uvicorn ({', '.join(missing)} missing): pip install "
+                         "'hybrid[serve]'")
+
+    from runtime.engine import Engine
+    from runtime.serve import serve
+    _say(f"loading {args.model} ...")
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
+                                    cache_memory=args.cache_mb << 20 if args.cache_mb else None,
+                                    max_num_seqs=args.max_num_seqs, allow_missing_weights=args.allow_missing_weights,
+                                    trust_remote_code=args.trust_remote_code)
+    name = args.served_model_name or args.model
+    _say(f"serving {name} on http://{args.host}:{args.port}/v1 (completions, chat/completions, models; /health)")
+    serve(engine, name, args.host, args.port, log_level="debug" if _debug(args) else "info")
+    return 0
+
+
 def cmd_zoo(args) -> int:
     from . import zoo
     if args.zoo_cmd == "list":
@@ -293,7 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--verify", action="store_true", help="check each rewrite against eager on the example inputs")
     e.set_defaults(fn=cmd_explain)
 
-    g = sub.add_parser("generate", parents=[debug, loading],
+    engine_flags = _Parser(add_help=False)
+    engine_flags.add_argument("--device", type=_device, default=None, help="default: cuda when available, else cpu")
+    engine_flags.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                              help="default: bfloat16 on cuda, float32 on cpu")
+    engine_flags.add_argument("--compile", default="auto",
+                              choices=["auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", "none"],
+                              help="auto: hybrid-cudagraphs on cuda (decode steps as CUDA graphs), hybrid-eager on cpu")
+    engine_flags.add_argument("--cache-mb", type=_int_at_least(1),
+                              help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
+
+    g = sub.add_parser("generate", parents=[debug, loading, engine_flags],
                        help="generate with the continuous-batching engine (paged caches, SSM slots)")
     g.add_argument("model", help="zoo name or path to an HF model directory (its tokenizer is used for --prompt)")
     g.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer); repeatable")
@@ -305,14 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_sampling("top_p", float), default=1.0)
     g.add_argument("--seed", type=_sampling("seed", int))
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
-    g.add_argument("--device", type=_device, default=None, help="default: cuda when available, else cpu")
-    g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
-    g.add_argument("--compile", default="auto",
-                   choices=["auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", "none"],
-                   help="auto: hybrid-cudagraphs on cuda (decode steps as CUDA graphs), hybrid-eager on cpu")
-    g.add_argument("--cache-mb", type=_int_at_least(1),
-                   help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
     g.set_defaults(fn=cmd_generate)
+
+    sv = sub.add_parser("serve", parents=[debug, loading, engine_flags],
+                        help="serve the model over HTTP, OpenAI-compatible (/v1/completions, /v1/chat/completions)")
+    sv.add_argument("model", help="zoo name or path to an HF model directory (with its tokenizer and chat template)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=_int_at_least(0), default=8000)
+    sv.add_argument("--served-model-name", help="the model name clients give (default: MODEL as given)")
+    sv.add_argument("--max-num-seqs", type=_int_at_least(1), default=32, help="requests decoded together")
+    sv.set_defaults(fn=cmd_serve)
 
     z = sub.add_parser("zoo", parents=[debug], help="list the model zoo or save a zoo model as an HF directory")
     zsub = z.add_subparsers(dest="zoo_cmd", required=True)

@@ -3,8 +3,8 @@
 It is a real HF tokenizer (``PreTrainedTokenizerFast`` over a ``tokenizers`` word-level model that sees one
 character per token) laid over the model's vocabulary: the config's bos / eos / pad ids keep their meaning, the
 printable ASCII characters, newline and tab take the next free ids from ``FIRST`` on, any other character is
-``<unk>``, and every id left decodes as ``<tN>``. Text prompts, chat templates and ``hybrid serve`` then work on zoo models; what the models write back is as
-random as their weights.
+``<unk>``, and every id left decodes as ``<tN>``. Text prompts, chat templates and ``hybrid serve`` then work on zoo
+models; what the models write back is as random as their weights.
 """
 from __future__ import annotations
 

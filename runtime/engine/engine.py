@@ -250,6 +250,13 @@ class Engine:
         self._queue([seq])
         return seq.request_id
 
+    def add_requests(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[int]:
+        """Queue a batch (the forms ``generate`` takes), checked whole first: nothing is queued when any prompt is
+        refused. Returns the request ids in order."""
+        seqs = self._requests(prompts, params)
+        self._queue(seqs)
+        return [s.request_id for s in seqs]
+
     def abort(self, request_id: int) -> bool:
         """End a request now, waiting or running: its blocks and state row are free at once, its output keeps the
         tokens it had with ``finish_reason="abort"``. False when it had already finished. Call it from the thread
