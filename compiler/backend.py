@@ -6,7 +6,6 @@ entry point, so users import nothing of ours.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 
@@ -19,10 +18,9 @@ from passes import PassContext, prepare_graph, run_pipeline
 from passes.base import CONTROL_FLOW, copy_graph
 
 from .options import Options
-from .report import GraphInfo, publish
+from .report import GraphInfo, next_graph_id, publish
 
 log = logging.getLogger("hybrid")
-_graph_ids = itertools.count()
 
 
 def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None,
@@ -34,7 +32,7 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
     fail on the rewritten graph, on the graph as traced; and should it fail on that too, the graph runs eagerly. Each
     fallback is logged once and written in the explain report's notes for the graph."""
     opts = Options.parse(options)
-    graph_id = next(_graph_ids)
+    graph_id = next_graph_id()
     nodes_before = len(gm.graph.nodes)
     original = copy_graph(gm.graph)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ class GraphInfo:
 class Report:
     results: list[RegionResult] = field(default_factory=list)
     graphs: list[GraphInfo] = field(default_factory=list)
+    ids: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def regions(self) -> list[dict]:
         """One entry per module: the worst status over the graphs it appeared in, with that graph's reason."""
@@ -79,6 +81,16 @@ def _sinks() -> list[Report]:
     if not hasattr(_local, "sinks"):
         _local.sinks = []
     return _local.sinks
+
+
+_process_ids = itertools.count()
+
+
+def next_graph_id() -> int:
+    """The number of the graph the backend compiles now: counted from 0 inside the outermost ``collect`` block (an
+    explain report numbers its own graphs), else across the process (log lines stay unique)."""
+    sinks = _sinks()
+    return next(sinks[0].ids) if sinks else next(_process_ids)
 
 
 @contextlib.contextmanager

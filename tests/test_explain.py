@@ -48,3 +48,13 @@ def test_cli_bad_model_is_a_clear_error():
                          text=True, timeout=120)
     assert res.returncode == 2
     assert "neither a zoo model" in res.stderr and "hybrid zoo save" in res.stderr
+
+
+def test_each_report_numbers_its_own_graphs():
+    """Graph numbers in a report count from 0 however many graphs the process compiled before it."""
+    model = zoo.build("llama")
+    ids = prompt(model, 1, 6)
+    for _ in range(2):
+        report = explain(model, ids, generate_tokens=2)
+        assert [g.graph for g in report.graphs] == list(range(len(report.graphs))) and len(report.graphs) >= 2
+        assert "graph 0:" in report.table()
