@@ -83,7 +83,7 @@ async def run_rate(url: str, requests: list[tuple[list[int], int]], rate: float,
 def start_server(args, port: int) -> subprocess.Popen:
     import httpx
     cmd = [sys.executable, "-m", "runtime.cli", "serve", args.model, "--port", str(port), "--compile", args.compile,
-           "--max-num-seqs", str(args.max_num_seqs), "--cache-mb", str(args.cache_mb)]
+           "--max-num-seqs", str(args.max_num_seqs), "--cache-mb", str(args.cache_mb), "--log-level", "warning"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)

@@ -219,7 +219,7 @@ def cmd_serve(args) -> int:
                                     trust_remote_code=args.trust_remote_code)
     name = args.served_model_name or args.model
     _say(f"serving {name} on http://{args.host}:{args.port}/v1 (completions, chat/completions, models; /health)")
-    serve(engine, name, args.host, args.port, log_level="debug" if _debug(args) else "info")
+    serve(engine, name, args.host, args.port, log_level="debug" if _debug(args) else args.log_level)
     return 0
 
 
@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_int_at_least(0), default=8000)
     sv.add_argument("--served-model-name", help="the model name clients give (default: MODEL as given)")
     sv.add_argument("--max-num-seqs", type=_int_at_least(1), default=32, help="requests decoded together")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="the HTTP server's log (info: one line per request)")
     sv.set_defaults(fn=cmd_serve)
 
     z = sub.add_parser("zoo", parents=[debug], help="list the model zoo or save a zoo model as an HF directory")
