@@ -15,7 +15,8 @@ Per architecture, in a subprocess of its own (a crash or a hang stops only that 
 6. ``Engine`` on three prompts vs HF greedy per prompt (``hybrid-eager`` on the CPU, ``hybrid-cudagraphs`` on
    the GPU: Triton kernels and recorded decode steps).
 On the GPU (``--device cuda``) everything runs in fp32 with TF32 off, so tokens are compared exactly there too.
-Outcome per architecture: the worst of crash > wrong > refused > ok, or "unbuildable" / "hf-fails".
+Outcome per architecture: the worst of crash > wrong > refused > torch-fails > ok, or "unbuildable" / "hf-fails";
+"torch-fails": the hybrid compile failed and so did stock ``torch.compile(backend="eager")`` on the same generate.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ SEED = 0
 SAMPLE = ["llama", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "mamba2", "jamba", "bamba",
           "gpt_oss", "qwen3_next", "kimi_linear", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
           "phimoe", "olmoe", "qwen2_moe", "glm4_moe", "dots1", "ernie4_5_moe", "gemma2", "gemma3_text", "bloom"]
-OUTCOMES = ["crash", "wrong", "refused", "ok", "hf-fails", "unbuildable"]
+OUTCOMES = ["crash", "wrong", "refused", "torch-fails", "ok", "hf-fails", "unbuildable"]
 
 # -- tiny configs -------------------------------------------------------------------------------------------
 #: size-like config fields -> tiny value (a field is changed only where the default config has it)
@@ -361,6 +362,21 @@ def compile_stage(model, ids, ref: dict) -> dict:
     return out
 
 
+def control_stage(model, ids) -> dict:
+    """After a failed hybrid compile: the same greedy generates through stock ``torch.compile(backend="eager")``
+    (dynamo alone, none of our code). Failing too, the failure is torch's or HF's under dynamo, not ours."""
+    import torch
+    for cache in ("dyn", "static"):
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="eager")
+        try:
+            _generate(model, ids, **({"cache_implementation": "static"} if cache == "static" else {}))
+        finally:
+            del model.forward
+            torch._dynamo.reset()
+    return {}
+
+
 def engine_stage(model, engine_prompts, ref: list[list[int]]) -> dict:
     """The engine (hybrid-eager on the CPU, hybrid-cudagraphs on the GPU) on prompts of three lengths vs HF greedy
     per prompt."""
@@ -423,7 +439,8 @@ def survey_one(model_type: str, result_path: Path, device: str = "cpu") -> None:
     if "error" in stage("hf", hf_reference, model, ids, engine_prompts, ref):
         return
     stage("explain", explain_stage, build(model_type, device), ids)
-    stage("compile", compile_stage, build(model_type, device), ids, ref)
+    if "error" in stage("compile", compile_stage, build(model_type, device), ids, ref):
+        stage("compile_control", control_stage, build(model_type, device), ids)
     stage("engine", engine_stage, build(model_type, device), engine_prompts, ref["engine"])
     r["stage"] = "done"
     save()
@@ -449,7 +466,9 @@ def outcome(r: dict) -> tuple[str, str]:
     found = []
     for stage in ("explain", "compile"):
         if "error" in r.get(stage, {}):
-            found.append(("crash", f"{stage}: {_reason(r[stage]['error'])}"))
+            theirs = stage == "compile" and "error" in r.get("compile_control", {})
+            note = "stock torch.compile fails too: " if theirs else ""
+            found.append(("torch-fails" if theirs else "crash", f"{stage}: {note}{_reason(r[stage]['error'])}"))
     c = r.get("compile", {})
     if c.get("logits_err") is not None and not c["logits_err"] <= LOGITS_TOL:
         found.append(("wrong", f"compile: logits relative error {c['logits_err']:.2e}"))

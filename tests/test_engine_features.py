@@ -117,3 +117,19 @@ def test_attention_of_the_models_own_gets_contiguous_gathered_keys():
     assert _engine(model, compile="hybrid-eager") == want
     with pytest.raises(Unsupported, match="paged decode for attention that does not call HF's attention functions"):
         Engine(model, compile=None, paged_decode=True)
+
+
+@pytest.mark.parametrize("name, config, match", [
+    ("rwkv", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                  intermediate_size=128, context_length=256),
+     r"forward takes no HF cache .*keeps its state in 'state'"),
+    ("xlnet", dict(vocab_size=256, d_model=64, n_layer=2, n_head=4, d_inner=128),
+     r"forward takes no HF cache .*keeps its state in 'mems'"),
+    ("xlstm", dict(vocab_size=256, hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_heads=4),
+     r"xLSTMForCausalLM's cache: a prefill with HF's DynamicCache failed \(AttributeError"),
+])
+def test_a_model_that_keeps_its_state_outside_hfs_cache_is_refused(name, config, match):
+    """Recurrent models with a state argument of their own would decode each token without its context: refused."""
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(name, **config)).eval()
+    with pytest.raises(Unsupported, match=match):
+        Engine(model, compile=None)

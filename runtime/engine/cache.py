@@ -64,8 +64,12 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
     from transformers import DynamicCache
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.tensor([[1, 2]], device=device), use_cache=True, **{kwarg: cache})
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[1, 2]], device=device), use_cache=True, **{kwarg: cache})
+    except Exception as e:  # noqa: BLE001  (the model keeps a cache of its own kind)
+        raise Unsupported(f"{type(model).__name__}'s cache: a prefill with HF's DynamicCache failed "
+                          f"({' '.join(f'{type(e).__name__}: {e}'.split())[:200]})") from e
     specs = []
     for layer in cache.layers:
         kind = cache_layer_kind(layer)
@@ -84,6 +88,9 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
                                   "of its own, e.g. a learned prompt); the engine writes one cache row per token")
             spec.heads, spec.k_dim, spec.v_dim = k.shape[1], k.shape[-1], v.shape[-1]
         specs.append(spec)
+    if not any(s.keys or s.states for s in specs):
+        raise Unsupported(f"{type(model).__name__}: a prompt left HF's DynamicCache empty (the model keeps its state "
+                          "some other way)")
     return specs
 
 

@@ -54,6 +54,12 @@ def _check_config(cfg) -> None:
 
 def check_model(model: nn.Module) -> None:
     """Raise ``Unsupported`` for a configuration or module feature the engine cannot run exactly."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    if not any(name in params for name in ("cache", "past_key_values", "cache_params")):
+        extra = [n for n in ("state", "mems", "memory") if n in params]
+        raise Unsupported(f"a model whose forward takes no HF cache (no past_key_values / cache argument"
+                          f"{'; it keeps its state in ' + repr(extra[0]) if extra else ''})")
     for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         _check_config(cfg)
     for name, m in model.named_modules():
