@@ -272,3 +272,20 @@ def test_hybrid_serve_command(tmp_path):
         proc.send_signal(2)
         out = proc.communicate(timeout=60)[0]
     assert f"serving {MODEL} on http://127.0.0.1:{port}/v1" in out and "Traceback" not in out
+
+
+def test_a_model_without_tokenizer_serves_token_ids_only(alone):
+    from runtime import zoo
+    s = Server(Engine(zoo.build(MODEL), compile=None))
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == alone([5, 6, 7], 4)
+        for body, match in (({"prompt": "hi"}, "no tokenizer: give the prompt as token ids"),
+                            ({"prompt": [5], "stop": "x"}, "'stop' strings need a tokenizer"),
+                            ({"messages": [{"role": "user", "content": "x"}]}, "no tokenizer, so no chat template")):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(s.url + path, json=body, timeout=30)
+            assert r.status_code == 400 and match in r.json()["error"]["message"]
+    finally:
+        s.stop()

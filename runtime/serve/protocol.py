@@ -150,7 +150,11 @@ def completion_request(body: dict, tokenizer) -> Request:
         raise APIError("this model has no tokenizer: give the prompt as token ids", "prompt")
     prompts = [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else p for p in prompts]
     params = _params(body, _max_tokens(body, "max_tokens", 16))
-    return Request(prompts, params, bool(body.get("stream")), _stream_options(body), _stop(body))
+    stop = _stop(body)
+    if stop and tokenizer is None:
+        raise APIError("'stop' strings need a tokenizer to read the text and this model has none: use "
+                       "'stop_token_ids'", "stop")
+    return Request(prompts, params, bool(body.get("stream")), _stream_options(body), stop)
 
 
 def _content(message: dict, i: int) -> str:
