@@ -6,11 +6,21 @@ import inspect
 import torch
 
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """Name of the forward kwarg that takes the cache: ``cache`` (5.2x), ``past_key_values`` (older), or
-    ``cache_params`` (Mamba models before 5.2x)."""
+#: names of the forward kwarg that takes HF's cache: ``cache`` (5.2x), ``past_key_values`` (older), ``cache_params``
+#: (Mamba models before 5.2x)
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+
+
+def takes_cache(model: torch.nn.Module) -> bool:
+    """Whether the model's forward has a cache argument of one of the ``CACHE_KWARGS`` names."""
     params = inspect.signature(model.forward).parameters
-    for name in ("cache", "past_key_values", "cache_params"):
+    return any(name in params for name in CACHE_KWARGS)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the forward kwarg that takes the cache (one of ``CACHE_KWARGS``; ``past_key_values`` when none)."""
+    params = inspect.signature(model.forward).parameters
+    for name in CACHE_KWARGS:
         if name in params:
             return name
     return "past_key_values"
@@ -18,7 +28,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 def output_cache(output):
     """The cache a forward returned (``.cache`` in 5.2x; ``.past_key_values`` / ``.cache_params`` before)."""
-    for name in ("cache", "past_key_values", "cache_params"):
+    for name in CACHE_KWARGS:
         value = getattr(output, name, None)
         if value is not None:
             return value

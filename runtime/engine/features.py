@@ -55,8 +55,10 @@ def _check_config(cfg) -> None:
 def check_model(model: nn.Module) -> None:
     """Raise ``Unsupported`` for a configuration or module feature the engine cannot run exactly."""
     import inspect
-    params = inspect.signature(model.forward).parameters
-    if not any(name in params for name in ("cache", "past_key_values", "cache_params")):
+
+    from runtime.hf import takes_cache
+    if not takes_cache(model):
+        params = inspect.signature(model.forward).parameters
         extra = [n for n in ("state", "mems", "memory") if n in params]
         raise Unsupported(f"a model whose forward takes no HF cache (no past_key_values / cache argument"
                           f"{'; it keeps its state in ' + repr(extra[0]) if extra else ''})")
