@@ -59,6 +59,14 @@ def check_options(opts: dict) -> None:
             raise TypeError(f"Engine got an unknown option {name!r}")
 
 
+def _exported_option(name: str, value, plan: dict):
+    """An option an engine directory fixed at export: its value, or ValueError when asked for another."""
+    if value is not None and value != plan[name] and not (name == "block_size" and value == 16):
+        raise ValueError(f"Engine: {name}={value!r}, but the engine directory was exported with {plan[name]!r}: leave "
+                         f"it unset, or export again with that {name}")
+    return plan[name]
+
+
 class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, compile: str | None = "auto",
@@ -79,15 +87,29 @@ class Engine:
         self.vocab_size = text_config.vocab_size
         self.max_model_len = getattr(text_config, "max_position_embeddings", None)
         self.eos = self._eos_ids(model)
-        check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
-        specs = discover_layers(model, cache_kwarg(model))
+        plan = getattr(model, "engine_plan", None)  # an engine directory's model (runtime/aot): found at export
+        if plan is not None:
+            specs, self.prefill_note = plan["specs"], plan["prefill_note"]
+            block_size, paged_decode = _exported_option("block_size", block_size, plan), \
+                _exported_option("paged_decode", paged_decode, plan)
+            if max_num_seqs > plan["max_batch"]:
+                raise ValueError(f"Engine: max_num_seqs={max_num_seqs} is beyond the engine directory's --max-batch "
+                                 f"{plan['max_batch']}: lower it, or export again with a larger --max-batch")
+            if max_prefill_tokens > plan["max_prefill_tokens"]:
+                max_prefill_tokens = plan["max_prefill_tokens"]  # the chunk lengths the programs were exported for
+            self.max_model_len = min(self.max_model_len or plan["max_seq_len"], plan["max_seq_len"])
+        else:
+            check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
+            specs = discover_layers(model, cache_kwarg(model))
         has_attn = any(s.keys for s in specs)
         has_ssm = any(s.states for s in specs)
         # long prompts are prefilled in chunks of max_prefill_tokens, except where an SSM mixer would not continue
         # a chunk from the cached states exactly (HF's Mamba1 scan; the reason is kept here). Probed before the
         # caches take the device's memory.
         num_state_layers = sum(s.states for s in specs)
-        self.prefill_note = ssm_chunking_problem(model, num_state_layers) if has_ssm else None
+        if plan is None:
+            self.prefill_note = ssm_chunking_problem(model, num_state_layers) if has_ssm else None
+        self._layer_specs = specs
         if compile == "auto":
             compile = "hybrid-cudagraphs" if self.device.type == "cuda" else "hybrid-eager"
         if compile == "hybrid-cudagraphs" and self.device.type != "cuda":
@@ -101,7 +123,11 @@ class Engine:
         state_rows = (decode_bucket(max_num_seqs) if bucket_decode else max_num_seqs) if has_ssm else 0
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
         mla = hasattr(text_config, "kv_lora_rank")
-        own = own_attention(model) if has_attn and not mla else []
+        if plan is not None:
+            own = plan["own_attention"]
+        else:
+            own = own_attention(model) if has_attn and not mla else []
+        self._own_attention = own
         if own and paged_decode:
             raise Unsupported(f"paged decode for attention that does not call HF's attention functions ({own[0]}); "
                               "leave paged_decode unset")
@@ -128,12 +154,28 @@ class Engine:
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
+    def from_engine(cls, path, *, device: str | None = None, dtype: torch.dtype | None = None, **kwargs) -> "Engine":
+        """An engine directory written by ``hybrid export`` (runtime/aot): its exported programs run without tracing
+        or compiling, and without the model's modeling code. ``kwargs`` are ``Engine`` options (``block_size`` and
+        ``paged_decode`` are the directory's; ``max_num_seqs`` at most its ``--max-batch``)."""
+        from .exported import load_model
+        check_options(kwargs)
+        if kwargs.get("compile", "auto") != "auto" or kwargs.get("compile_options") or kwargs.get("freeze_weights"):
+            raise ValueError("Engine.from_engine: an engine directory is compiled already: leave compile, "
+                             "compile_options and freeze_weights unset")
+        model, tokenizer = load_model(path, device, dtype)
+        return cls(model, tokenizer=tokenizer, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str | None = None, dtype: torch.dtype | None = None,
                         allow_missing_weights: bool = False, trust_remote_code: bool = False, **kwargs) -> "Engine":
         """A zoo name or an HF model directory (``runtime.zoo.load``: weights that do not match the config are an
         error unless ``allow_missing_weights``; a directory's own Python code runs only with ``trust_remote_code``).
         ``kwargs`` are ``Engine`` options, checked before the model loads."""
         from runtime import zoo
+        from .exported import is_engine_dir
+        if is_engine_dir(name_or_path):
+            return cls.from_engine(name_or_path, device=device, dtype=dtype, **kwargs)
         check_options(kwargs)
         check_bool("Engine.from_pretrained: allow_missing_weights", allow_missing_weights)
         check_bool("Engine.from_pretrained: trust_remote_code", trust_remote_code)

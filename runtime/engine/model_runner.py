@@ -94,6 +94,8 @@ class ModelRunner:
         if freeze_weights and compile not in ("hybrid", "hybrid-cudagraphs"):
             raise ValueError(f"freeze_weights=True needs Inductor: compile='hybrid' or 'hybrid-cudagraphs', got "
                              f"{compile!r}")
+        if getattr(model, "engine_plan", None) is not None:  # an engine directory's programs (exported.py)
+            return model.forward
         if compile in (None, "none"):
             if compile_options:
                 raise ValueError(f"compile_options {compile_options} need a hybrid compile mode, got compile={compile!r}")

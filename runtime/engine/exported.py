@@ -1,0 +1,290 @@
+"""Engine directories, the reading side: ``load_model`` checks one (``check_manifest``) and returns its
+``ExportedModel``, what the engine runs in place of the HF model. runtime/aot writes them (``hybrid export``).
+
+An engine directory holds:
+  - ``manifest.json``: format version; hybrid, torch, triton and transformers versions; device kind and compute
+    capability; dtype; the engine's plan (cache layers, block size, paged decode, limits); the programs with their
+    input bindings; sha256 of every other file;
+  - ``config.json`` / ``generation_config.json`` and the tokenizer files, as the model directory had them;
+  - ``weights.safetensors`` (the tensors the graphs read, by the model's parameter names) and
+    ``consts.safetensors`` (other tensors the graphs read: scalars the model keeps);
+  - ``programs/*.pt2``: one ``torch.export`` program per kind of model call (``variant_key``) and size range;
+  - ``triton/`` (GPU engines): the Triton cache of the kernels the export ran, used at load (no JIT compile of them).
+It is tied to the torch and triton versions and the device kind (and GPU architecture) it was exported with:
+anything else is refused in one line (``EngineFileError``).
+
+``ExportedModel.forward`` has the HF signature the engine calls: each call's tensors (``step_tensors``) pick the
+program of its variant and are passed to it with the weights; the SSM states a fresh prefill makes are left on the
+cache as HF's code leaves them. No dynamo, no Inductor, no modeling code: the programs are ATen graphs with hybrid's
+ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+#: the Triton kernels compiled at export (a GPU engine): the cache Triton reads at load, unless TRITON_CACHE_DIR is set
+TRITON_CACHE = "triton"
+_STATE = re.compile(r"^(conv|ssm)\.(\d+)$")
+
+
+class EngineFileError(ValueError):
+    """An engine directory that cannot be loaded here as it is: the message names the file or field and what to do."""
+
+
+def step_tensors(input_ids: torch.Tensor, cache, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The named tensors of one model call by the engine: its step inputs, the step maps bound on ``cache``, the
+    attention buffers and the SSM states bound for the call (absent on a first prefill chunk: HF makes them)."""
+    out = {"ids": input_ids, "positions": kwargs["position_ids"]}
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict):
+        out.update({f"mask.{k}": v for k, v in sorted(mask.items()) if v is not None})
+    elif mask is not None:
+        out["mask"] = mask
+    for name in ("hybrid_block_table", "hybrid_seq_lens"):
+        if kwargs.get(name) is not None:
+            out[name] = kwargs[name]
+    if cache.attention:
+        first = cache.attention[0]
+        for name in ("write_slots", "gather_idx", "block_table", "seq_lens"):
+            if getattr(first, name) is not None:
+                out[name] = getattr(first, name)
+        out.update({f"buf.{i}": layer.buf for i, layer in enumerate(cache.attention)})
+    for j, layer in enumerate(cache.states):
+        for kind, state in (("conv", layer.conv_states[0]), ("ssm", layer.recurrent_states[0])):
+            if state is not None:
+                out[f"{kind}.{j}"] = state
+    return out
+
+
+def variant_key(named: dict[str, torch.Tensor], paged: bool) -> str:
+    """Which exported program runs a call: the tensors it has and the sizes dynamo specialises (a batch or a query
+    length of one)."""
+    b, q = named["ids"].shape
+    states = sorted({m.group(1) for m in map(_STATE.match, named) if m})
+    parts = ["decode" if paged else ("step" if q == 1 else "prefill"), f"b{'1' if b == 1 else 'N'}",
+             f"q{'1' if q == 1 else 'N'}", "states:" + "+".join(states) if states else "fresh"]
+    parts += sorted(k for k in named if k in ("hybrid_block_table", "block_table", "write_slots"))
+    return "/".join(parts)
+
+
+@dataclasses.dataclass
+class ProgramSpec:
+    """How an exported program is called: ``inputs`` in order, each ("step", name) | ("weight", name) |
+    ("const", name); ``logits`` the output index of the logits; ``states`` {"conv.j": output index} for the SSM
+    states the call leaves on the cache (a fresh prefill's new states); ``dims`` {step tensor: [[lo, hi] per dim]},
+    the sizes the program takes (hi None: unbounded), as torch.export found them (a branch of the model on a size,
+    e.g. a prompt shorter than an SSD chunk, bounds it: another program of the same key takes the other side)."""
+    key: str
+    file: str
+    inputs: list[tuple[str, str]]
+    logits: int
+    states: dict[str, int]
+    dims: dict[str, list[list[int | None]]] = dataclasses.field(default_factory=dict)
+
+    def fits(self, named: dict[str, torch.Tensor]) -> bool:
+        for name, dims in self.dims.items():
+            shape = named[name].shape
+            if len(shape) != len(dims):
+                return False
+            for n, (lo, hi) in zip(shape, dims):
+                if (lo is not None and n < lo) or (hi is not None and n > hi):
+                    return False
+        return True
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ProgramSpec":
+        return cls(d["key"], d["file"], [tuple(x) for x in d["inputs"]], d["logits"], dict(d["states"]),
+                   {k: [list(x) for x in v] for k, v in d.get("dims", {}).items()})
+
+
+class MissingProgram(RuntimeError):
+    """A model call of a variant the engine directory has no program for."""
+
+
+def find_program(programs: dict[str, list], named: dict[str, torch.Tensor], paged: bool):
+    """The (spec, program) of ``programs`` {key: [(spec, program), ...]} that takes this call, or None."""
+    for entry in programs.get(variant_key(named, paged), ()):
+        if entry[0].fits(named):
+            return entry
+    return None
+
+
+def describe_call(named: dict[str, torch.Tensor]) -> str:
+    b, q = named["ids"].shape
+    keys = named["gather_idx"].shape[1] if "gather_idx" in named else None
+    return f"{b} sequence(s) x {q} token(s)" + (f" over {keys} cached keys" if keys is not None else "")
+
+
+class ExportedModel(torch.nn.Module):
+    def __init__(self, config, generation_config, plan: dict, programs: dict[str, list],
+                 weights: dict[str, torch.Tensor], consts: dict[str, torch.Tensor]):
+        super().__init__()
+        self.config, self.generation_config = config, generation_config
+        self.engine_plan = plan  # what the engine found about the model at export (the manifest's "engine")
+        self._weights = torch.nn.ParameterList(torch.nn.Parameter(w, requires_grad=False) for w in weights.values())
+        self._by_name = dict(zip(weights, self._weights))
+        self._consts = consts
+        self._programs = programs
+
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, position_ids=None, attention_mask=None,
+                use_cache: bool = True, logits_to_keep: int = 1, **extra):
+        cache = past_key_values
+        kwargs = dict(extra, position_ids=position_ids, attention_mask=attention_mask)
+        named = step_tensors(input_ids, cache, kwargs)
+        paged = bool(cache.attention and cache.attention[0].paged)
+        entry = find_program(self._programs, named, paged)
+        if entry is None:
+            raise MissingProgram(f"this engine directory has no exported graph for a {variant_key(named, paged)} call "
+                                 f"of {describe_call(named)}: export it again with --max-seq-len / --max-batch "
+                                 "covering it, or run the model directory")
+        spec, run = entry
+        args = [named[n] if kind == "step" else (self._by_name[n] if kind == "weight" else self._consts[n])
+                for kind, n in spec.inputs]
+        out = run(*args)
+        for name, index in spec.states.items():
+            kind, j = name.split(".")
+            layer = cache.states[int(j)]
+            (layer.conv_states if kind == "conv" else layer.recurrent_states)[0] = out[index]
+        return _Output(out[spec.logits])
+
+
+class _Output:
+    def __init__(self, logits):
+        self.logits = logits
+
+def versions() -> dict:
+    import transformers
+    import triton
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        hybrid = version("hybrid")
+    except PackageNotFoundError:
+        hybrid = "source"
+    return {"hybrid": hybrid, "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"kind": "cuda", "capability": f"{major}.{minor}", "name": torch.cuda.get_device_name(device)}
+    return {"kind": "cpu", "capability": None, "name": platform.machine()}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _spec_from_json(d: dict):
+    from .cache import LayerSpec
+    dt = lambda s: getattr(torch, s.replace("torch.", ""))  # noqa: E731
+    return LayerSpec(d["kind"], d["heads"], d["k_dim"], d["v_dim"], tuple(d["conv_shape"]), tuple(d["ssm_shape"]),
+                     dt(d["conv_dtype"]), dt(d["ssm_dtype"]), d["window"])
+
+
+# -- load --------------------------------------------------------------------------------------------------
+def is_engine_dir(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise EngineFileError(f"{path / MANIFEST} is not a readable manifest ({' '.join(str(e).split())}): export "
+                              "the engine again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise EngineFileError(f"{path} is an engine directory of format {got!r}; this hybrid reads format {FORMAT}: "
+                              "export it again with this hybrid")
+    return manifest
+
+
+def check_manifest(path: Path, manifest: dict, device: torch.device) -> None:
+    """Versions, device and every file's checksum; EngineFileError naming the first that does not match."""
+    have = versions()
+    for lib in ("torch", "triton"):
+        if manifest["versions"].get(lib) != have[lib]:
+            raise EngineFileError(f"{path} was exported with {lib} {manifest['versions'].get(lib)}, this is {lib} "
+                                  f"{have[lib]}: export it again here (an engine directory is tied to its versions)")
+    want = manifest["device"]
+    if want["kind"] != device.type:
+        raise EngineFileError(f"{path} is a {want['kind']} engine, asked to run on {device}: export it again with "
+                              f"--device {device.type}")
+    if device.type == "cuda" and device_info(device)["capability"] != want["capability"]:
+        raise EngineFileError(f"{path} was exported for GPU architecture sm {want['capability']} ({want['name']}); "
+                              f"this GPU is sm {device_info(device)['capability']}: export it again on this GPU")
+    for rel, digest in manifest["files"].items():
+        file = path / rel
+        if not file.is_file():
+            raise EngineFileError(f"{file} is missing from the engine directory: copy the whole directory again")
+        if sha256(file) != digest:
+            raise EngineFileError(f"{file} fails its checksum (the manifest's sha256 differs): the file is corrupt or "
+                                  "was changed; copy the directory again or export it again")
+
+
+def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None):
+    """The ExportedModel of an engine directory (checked: ``check_manifest``) and its tokenizer (or None)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, GenerationConfig
+
+    import kernels  # noqa: F401  (the hybrid:: ops the programs call)
+    from runtime import zoo
+
+    from . import attention  # noqa: F401
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    kind = manifest["device"]["kind"]
+    if device is None and kind == "cuda" and not torch.cuda.is_available():
+        raise EngineFileError(f"{path} is a cuda engine, and this machine has no usable CUDA: run it on a GPU, or "
+                              "export the model again with --device cpu")
+    dev = zoo.check_device(device or kind)
+    if dtype is not None and str(dtype) != manifest["dtype"]:
+        raise EngineFileError(f"{path} was exported in {manifest['dtype'].replace('torch.', '')}, asked for "
+                              f"{str(dtype).replace('torch.', '')}: leave --dtype unset, or export it again")
+    check_manifest(path, manifest, dev)
+    if (path / TRITON_CACHE).is_dir() and "TRITON_CACHE_DIR" not in os.environ:
+        os.environ["TRITON_CACHE_DIR"] = str((path / TRITON_CACHE).resolve())
+    config = AutoConfig.from_pretrained(path)
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = None
+    want = getattr(torch, manifest["dtype"].replace("torch.", ""))
+    # the model's dtype first: the engine takes its cache dtype from the first parameter (float32 buffers such as
+    # RoPE's inverse frequencies come after)
+    loaded = load_file(str(path / "weights.safetensors")).items()
+    weights = {k: v.to(dev) for k, v in sorted(loaded, key=lambda kv: kv[1].dtype != want)}
+    consts = {k: v.to(dev) for k, v in load_file(str(path / "consts.safetensors")).items()}
+    programs = {}
+    for d in manifest["programs"]:
+        spec = ProgramSpec.from_json(d)
+        try:
+            program = torch.export.load(str(path / spec.file)).module()
+        except Exception as e:  # noqa: BLE001
+            raise EngineFileError(f"{path / spec.file} does not load as an exported program ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:200]}): export the engine again") from None
+        programs.setdefault(spec.key, []).append((spec, program))
+    plan = dict(manifest["engine"])
+    plan["specs"] = [_spec_from_json(s) for s in plan["specs"]]
+    model = ExportedModel(config, generation_config, plan, programs, weights, consts)
+    tokenizer = zoo.load_tokenizer(str(path)) if (path / "tokenizer_config.json").is_file() else None
+    return model, tokenizer
