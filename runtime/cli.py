@@ -4,6 +4,7 @@
     hybrid explain MODEL [--json]          every MLA / SSM / MoE region and what the passes did with it
     hybrid generate MODEL --prompt-ids 5,6,7 [--prompt "text"] [--json]   continuous-batching engine
     hybrid serve MODEL [--host 127.0.0.1 --port 8000]     OpenAI-compatible HTTP server over the engine
+    hybrid export MODEL OUT_DIR [--device cpu] [--dtype fp32]   engine files: load and run without compiling
     hybrid zoo list | hybrid zoo save NAME DIR [--force]
 
 Every error is one line on stderr, ``hybrid: error: ...``: exit code 2 for bad input (flags, model files, devices),
@@ -223,6 +224,19 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    import torch
+
+    from runtime.aot import export_engine
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    t0 = time.perf_counter()
+    export_engine(args.model, args.out_dir, device=args.device or "cpu", dtype=dtype, max_batch=args.max_batch,
+                  max_seq_len=args.max_seq_len, force=args.force,
+                  progress=lambda msg: _say(f"[{time.perf_counter() - t0:6.1f}s] {msg}"))
+    _say(f"run it with: hybrid generate {args.out_dir} --prompt-ids 5,6,7")
+    return 0
+
+
 def cmd_zoo(args) -> int:
     from . import zoo
     if args.zoo_cmd == "list":
@@ -351,6 +365,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="the HTTP server's log (info: one line per request)")
     sv.set_defaults(fn=cmd_serve)
+
+    x = sub.add_parser("export", parents=[debug],
+                       help="export a model as an engine directory: loaded and run later without compiling",
+                       description="Write an engine directory: the engine's model calls (prefill, decode) exported "
+                       "after hybrid's passes as torch.export programs, the weights, config and tokenizer files, and "
+                       "manifest.json (versions, device, cache layouts, graphs, sha256 of every file). `hybrid "
+                       "generate OUT_DIR` and Engine.from_engine(OUT_DIR) run it without tracing or compiling and "
+                       "without the model's Python code. It is tied to this torch and triton and to the device kind "
+                       "(and GPU architecture) it was exported on.")
+    x.add_argument("model", help="zoo name or path to an HF model directory")
+    x.add_argument("out_dir", help="the engine directory to write (new or empty)")
+    x.add_argument("--device", type=_device, default=None, help="device the engine will run on (default: cpu)")
+    x.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    x.add_argument("--max-batch", type=_int_at_least(1), default=32, help="most sequences decoded together")
+    x.add_argument("--max-seq-len", type=_int_at_least(1), default=None,
+                   help="longest sequence, prompt + output (default: the model's maximum)")
+    x.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (its engine files replaced)")
+    x.set_defaults(fn=cmd_export)
 
     z = sub.add_parser("zoo", parents=[debug], help="list the model zoo or save a zoo model as an HF directory")
     zsub = z.add_subparsers(dest="zoo_cmd", required=True)

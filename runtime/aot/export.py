@@ -1,0 +1,138 @@
+"""``export_engine``: a model (zoo name or HF model directory) -> an engine directory (its layout:
+runtime/engine/exported.py, which reads it back).
+
+The model runs in an engine built without compiling, over requests that reach every kind of model call the engine
+makes (``_workload``); ``Capture`` exports each kind once, after hybrid's passes. The engine's plan (cache layers,
+block size, paged decode, limits), the programs' bindings and every file's sha256 go into the manifest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from runtime.engine.exported import FORMAT, MANIFEST, TRITON_CACHE, device_info, sha256, versions
+
+
+def _spec_json(spec) -> dict:
+    d = dataclasses.asdict(spec)
+    d["conv_dtype"], d["ssm_dtype"] = str(spec.conv_dtype), str(spec.ssm_dtype)
+    d["conv_shape"], d["ssm_shape"] = list(spec.conv_shape), list(spec.ssm_shape)
+    return d
+
+
+# -- export ------------------------------------------------------------------------------------------------
+def _prompt(engine, n: int, seed: int) -> list[int]:
+    v = engine.vocab_size
+    return [(seed * 7 + 3 * i) % (v - 1) + 1 for i in range(n)]
+
+
+def _workload(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[list[list[int]], int]]:
+    """Requests that reach every kind of model call the engine makes: a one-token prompt; one and several sequences
+    decoding over one and several cache blocks; prefills of several tokens; and, where prompts are chunked, chunks
+    continuing a prompt, of one token and of several."""
+    p = lambda n, seed: _prompt(engine, min(n, max_len - 3), seed)  # noqa: E731
+    long = 2 * block_size + 3
+    runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 3), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 2)]
+    if engine.prefill_note is None and chunk + 3 < max_len - 3:
+        runs += [([p(chunk + 3, 7)], 2), ([p(chunk + 1, 8)], 2)]
+    return runs
+
+
+def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[list[list[int]], int]]:
+    """Requests for the sizes beyond the bound of a program (a branch of the model on a size bounds it), so that
+    another program takes them: prompts one token past a bounded prompt length, contexts one block past a bounded
+    block table."""
+    runs = []
+    for specs in cap.programs.values():
+        for spec, _ in specs:
+            q_hi = spec.dims.get("ids", [[None, None]] * 2)[1][1]
+            continuing = "states:" in spec.key and not spec.key.startswith(("decode", "step"))
+            if q_hi is not None and q_hi < chunk:
+                n = q_hi + 1 + (chunk if continuing else 0)
+                if n < max_len - 3:
+                    runs.append(([_prompt(cap.engine, n, 11)], 2))
+            for name, per_key in (("block_table", block_size), ("gather_idx", 1)):
+                hi = spec.dims.get(name, [[None, None]] * 2)[1][1]
+                if hi is not None and (hi + 1) * per_key < max_len - 3:
+                    runs.append(([_prompt(cap.engine, (hi + 1) * per_key, 12)], 3))
+    return runs
+
+
+def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
+                  max_batch: int = 32, max_seq_len: int | None = None, block_size: int = 16,
+                  max_prefill_tokens: int = 512, compile_options: dict | None = None, force: bool = False,
+                  progress=print) -> Path:
+    """Export the model ``name_or_path`` (a zoo name or an HF model directory) as an engine directory."""
+    from runtime import zoo
+    from runtime.engine import Engine, SamplingParams
+
+    from .capture import Capture
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"{out} exists and is not an empty directory: give a new path, or --force to replace "
+                              "the engine files in it")
+    dev = zoo.check_device(device)
+    if dev.type == "cuda":  # the Triton kernels the export compiles ship in the directory (load_model reads them)
+        out.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str((out / TRITON_CACHE).resolve())
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    progress(f"loading {name_or_path} ({str(dtype).replace('torch.', '')}, {dev})")
+    model = zoo.load(name_or_path, dtype=dtype, device=str(dev))
+    tokenizer = zoo.load_tokenizer(name_or_path)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_seq_len = min(max_seq_len or limit or 4096, limit or 1 << 30)
+    # prompts are prefilled in chunks of at most this many tokens, at export and at load
+    chunk = max(8, min(max_prefill_tokens, max_seq_len // 2))
+    engine = Engine(model, tokenizer=tokenizer, compile=None, cache_memory=64 << 20, block_size=block_size,
+                    max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda")
+    cap = Capture(engine, compile_options, progress).install()
+    runs = _workload(engine, block_size, chunk, max_seq_len)
+    for _ in range(4):  # the workload, then requests for what its programs left out, while they add programs
+        before = cap.count
+        for prompts, n in runs:
+            engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+            if cap.error is not None:
+                raise cap.error
+        runs = _uncovered(cap, chunk, block_size, max_seq_len)
+        if cap.count == before or not runs:
+            break
+    _write(out, engine, cap, model, tokenizer, dev, dtype, dict(max_batch=max_batch, max_seq_len=max_seq_len,
+                                                                  max_prefill_tokens=chunk), block_size, progress)
+    return out
+
+
+def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, block_size: int, progress):
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "programs").mkdir(exist_ok=True)
+    for old in list(out.glob("programs/*.pt2")) + [out / MANIFEST]:
+        old.unlink(missing_ok=True)
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    save_file({k: v.detach().contiguous().clone() for k, v in cap.weights.items()}, str(out / "weights.safetensors"))
+    save_file({k: v.contiguous() for k, v in cap.consts.items()}, str(out / "consts.safetensors"))
+    programs = []
+    for key in sorted(cap.programs):
+        for spec, ep in cap.programs[key]:
+            spec.file = f"programs/{len(programs)}.pt2"
+            torch.export.save(ep, str(out / spec.file))
+            programs.append(spec.to_json())
+    plan = {"specs": [_spec_json(s) for s in engine._layer_specs], "prefill_note": engine.prefill_note,
+            "own_attention": engine._own_attention, "block_size": block_size,
+            "paged_decode": engine.runner.paged_decode, "latent": engine.runner.paged_latent,
+            **limits, "model_class": type(model).__name__}
+    files = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*"))
+             if p.is_file() and p.relative_to(out).parts[0] != TRITON_CACHE}  # Triton checks its own cache
+    manifest = {"format": FORMAT, "versions": versions(), "device": device_info(dev), "dtype": str(dtype),
+                "engine": plan, "programs": programs, "files": files}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    progress(f"wrote {out}: {len(programs)} graphs, {len(files)} files")
+
+
