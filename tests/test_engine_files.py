@@ -1,0 +1,160 @@
+"""Engine files (runtime/aot, runtime/engine/exported.py): export, load without compiling, the same tokens; the
+refusals of a directory that does not fit."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from runtime import zoo
+from runtime.aot import export_engine
+from runtime.cli import main
+from runtime.engine import Engine, SamplingParams
+from runtime.engine.exported import EngineFileError
+
+PROMPTS = [[5, 6, 7, 8, 9], [3] * 21, [11]]
+#: one family per layer kind: attention, MLA + MoE, SSM (Mamba1), attention + Mamba1 + MoE
+FAMILIES = ["llama", "deepseek_v3", "mamba", "jamba"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    dirs = {}
+
+    def get(name):
+        if name not in dirs:
+            dirs[name] = tmp_path_factory.mktemp("engines") / name
+            export_engine(name, dirs[name], progress=lambda msg: None)
+        return dirs[name]
+    return get
+
+
+def hf_greedy(name: str, prompt: list[int], n: int) -> list[int]:
+    model = zoo.load(name)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_engine_directory_generates_hf_tokens_without_compiling(exported, name):
+    from torch._dynamo.utils import counters
+    path = exported(name)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == 1 and manifest["device"]["kind"] == "cpu" and manifest["programs"]
+    assert set(manifest["files"]) >= {"weights.safetensors", "config.json", "programs/0.pt2"}
+    frames = counters["frames"]["total"]
+    engine = Engine.from_pretrained(str(path))  # an engine directory is recognised
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert counters["frames"]["total"] == frames, "dynamo traced something while loading or generating"
+    assert [o.finish_reason for o in outs] == ["length"] * 3, [o.error for o in outs]
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(name, prompt, 10)
+
+
+def test_streaming_sampling_and_batching_from_an_engine_directory(exported):
+    engine = Engine.from_engine(exported("llama"), max_num_seqs=2)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    events = [e for e in engine.stream(PROMPTS, params) if e.token_id is not None]
+    assert len(events) == 18
+    again = Engine.from_engine(exported("llama"), max_num_seqs=2).generate(PROMPTS, params)
+    by_request = {}
+    for e in events:
+        by_request.setdefault(e.request_id, []).append(e.token_id)
+    assert sorted(map(tuple, by_request.values())) == sorted(tuple(o.token_ids) for o in again)
+
+
+def test_load_in_a_process_that_cannot_import_the_modeling_code(exported):
+    path = exported("llama")
+    script = textwrap.dedent(f"""
+        import importlib.abc, json, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.startswith("transformers.models.llama.modeling"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from runtime.engine import Engine, SamplingParams
+        engine = Engine.from_pretrained({str(path)!r})
+        out = engine.generate({PROMPTS!r}, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert not any(m.startswith("transformers.models.llama.modeling") for m in sys.modules)
+        print(json.dumps([o.token_ids for o in out]))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    tokens = json.loads(p.stdout.strip().splitlines()[-1])
+    assert tokens == [hf_greedy("llama", prompt, 6) for prompt in PROMPTS]
+
+
+def test_cli_export_and_generate(tmp_path, capsys):
+    out = tmp_path / "eng"
+    assert main(["export", "mixtral", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "exporting graph 1" in err and "wrote" in err
+    assert main(["generate", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+    assert got == hf_greedy("mixtral", [5, 6, 7], 5)
+    assert main(["export", "mixtral", str(out)]) == 2  # not empty: refused
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def _broken(exported, tmp_path, change):
+    path = tmp_path / "eng"
+    shutil.copytree(exported("llama"), path)
+    change(path)
+    return path
+
+
+def _edit_manifest(fn):
+    def change(path):
+        m = json.loads((path / "manifest.json").read_text())
+        fn(m)
+        (path / "manifest.json").write_text(json.dumps(m))
+    return change
+
+
+def _flip_byte(path):
+    data = bytearray((path / "weights.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "weights.safetensors").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("change, message", [
+    (_flip_byte, "weights.safetensors fails its checksum"),
+    (lambda p: (p / "programs" / "0.pt2").unlink(), "0.pt2 is missing"),
+    (_edit_manifest(lambda m: m.update(format=99)), "format 99; this hybrid reads format 1"),
+    (_edit_manifest(lambda m: m["versions"].update(torch="2.0.0")), "exported with torch 2.0.0"),
+    (_edit_manifest(lambda m: m["device"].update(kind="cuda", capability="9.0")), "is a cuda engine"),
+    (lambda p: (p / "manifest.json").write_text("{"), "is not a readable manifest"),
+], ids=["checksum", "missing", "format", "torch", "device", "manifest"])
+def test_a_directory_that_does_not_fit_is_one_line(exported, tmp_path, capsys, change, message):
+    path = _broken(exported, tmp_path, change)
+    with pytest.raises(EngineFileError, match=message.replace("(", r"\(")):
+        Engine.from_engine(path)
+    if "cuda" in message:  # asked for the CPU by name
+        with pytest.raises(EngineFileError, match="is a cuda engine, asked to run on cpu"):
+            Engine.from_engine(path, device="cpu")
+    assert main(["generate", str(path), "--prompt-ids", "5,6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hybrid: error: ") and message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_requests_beyond_the_exported_limits(exported, tmp_path):
+    path = tmp_path / "eng"
+    export_engine("llama", path, max_batch=2, max_seq_len=64, progress=lambda msg: None)
+    with pytest.raises(ValueError, match="beyond the engine directory's --max-batch 2"):
+        Engine.from_engine(path, max_num_seqs=4)
+    engine = Engine.from_engine(path, max_num_seqs=2)
+    with pytest.raises(ValueError, match="maximum length of 64"):
+        engine.generate([[5] * 60], SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="exported with 16"):
+        Engine.from_engine(path, block_size=32)
+    with pytest.raises(EngineFileError, match="exported in float32"):
+        Engine.from_pretrained(str(path), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="compiled already"):
+        Engine.from_engine(path, compile="hybrid")
