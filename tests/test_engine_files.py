@@ -18,8 +18,9 @@ from runtime.engine import Engine, SamplingParams
 from runtime.engine.exported import EngineFileError
 
 PROMPTS = [[5, 6, 7, 8, 9], [3] * 21, [11]]
-#: one family per layer kind: attention, MLA + MoE, SSM (Mamba1), attention + Mamba1 + MoE
-FAMILIES = ["llama", "deepseek_v3", "mamba", "jamba"]
+#: one family per layer kind: attention, MLA + MoE, SSM (Mamba1); every tiny zoo family was checked by hand
+#: (docs/engine-files.md), the SSD and hybrid ones take minutes to export on a CI CPU
+FAMILIES = ["llama", "deepseek_v3", "mamba"]
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +146,9 @@ def test_a_directory_that_does_not_fit_is_one_line(exported, tmp_path, capsys, c
 
 
 def test_requests_beyond_the_exported_limits(exported, tmp_path):
-    path = tmp_path / "eng"
-    export_engine("llama", path, max_batch=2, max_seq_len=64, progress=lambda msg: None)
+    def limits(m):  # as `hybrid export --max-batch 2 --max-seq-len 64` writes them (the programs take any size)
+        m["engine"].update(max_batch=2, max_seq_len=64)
+    path = _broken(exported, tmp_path, _edit_manifest(limits))
     with pytest.raises(ValueError, match="beyond the engine directory's --max-batch 2"):
         Engine.from_engine(path, max_num_seqs=4)
     engine = Engine.from_engine(path, max_num_seqs=2)
