@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from runtime.engine.exported import ProgramSpec, describe_call, find_program, step_tensors, variant_key
+from runtime.engine.exported import (ProgramSpec, StepOutput, describe_call, find_program, step_tensors,
+                                     variant_key)
 
 class ExportError(RuntimeError):
     """A model or call that cannot be exported as it is; the message says why and what runs instead."""
@@ -136,7 +137,7 @@ class Capture:
         spec, ep = self._export(key, gm, example_inputs, named, outputs, logits)
         self._check(spec, ep, before, logits, outputs)
         self.programs.setdefault(key, []).append((spec, ep))
-        return _Output(logits)
+        return StepOutput(logits)
 
     def _export(self, key, gm: fx.GraphModule, example_inputs, named, outputs, logits):
         by_id = {id(v): k for k, v in named.items()}
@@ -196,11 +197,6 @@ class Capture:
             if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
                 err = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else "shape"
                 raise ExportError(f"the exported graph of {spec.key} differs from the traced call (max error {err})")
-
-
-class _Output:
-    def __init__(self, logits):
-        self.logits = logits
 
 
 def _lift_sizes(gm: fx.GraphModule, placeholders: list, example_inputs: list) -> None:

@@ -158,10 +158,12 @@ class ExportedModel(torch.nn.Module):
             kind, j = name.split(".")
             layer = cache.states[int(j)]
             (layer.conv_states if kind == "conv" else layer.recurrent_states)[0] = out[index]
-        return _Output(out[spec.logits])
+        return StepOutput(out[spec.logits])
 
 
-class _Output:
+class StepOutput:
+    """What the runner reads of a model call: its logits (HF's output has them as ``.logits``)."""
+
     def __init__(self, logits):
         self.logits = logits
 
