@@ -1,0 +1,278 @@
+"""Chunked prefill of the gated delta rule in Triton (the math of reference.delta_rule_chunked), two kernels:
+
+1. ``_chunk_prepare``, one program per (chunk, value head), all chunks in parallel: the in-chunk cumulative decay G,
+   the UT system L = strict_lower(beta_i k_i.k_j exp(G_i - G_j)) inverted by forward substitution (stable where
+   a product formula is not: L's powers grow binomially for near-equal keys), w = (I + L)^-1 (beta k exp(G)),
+   u = (I + L)^-1 (beta v) and the in-chunk attention Aqk = tril(scale q_i.k_j exp(G_i - G_j)), all fp32 scratch.
+   With a decay per key channel (Kimi Delta Attention) exp(G_i - G_j) differs per channel: the pairwise products
+   are taken on 16 x 16 sub-blocks, off-diagonal ones as (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)) with G_r the
+   decay at the first row of block i (both factors <= 1, no overflow), diagonal ones channel by channel.
+2. ``_chunk_state``, one program per (sequence, value head, block of V columns), sequential over the sequence's
+   chunks with the state block [K, BV] in registers (fp32): v' = u - w S, o = (q exp(G)) S + Aqk v',
+   S <- exp(G_last) S + (k exp(G_last - G))^T v'; initial and final states per sequence.
+
+Sequences are packed along one token axis (``cu_seqlens``); a [B, T] batch is B sequences of T. The chunk table is
+built on the device (no host sync), so a launch records into a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_config import CONFIG
+
+
+@triton.jit
+def _rows(ptr, rows, mask, stride_t, cols, ncols, L2: tl.constexpr):
+    """Rows ``rows`` [R] x columns [BK] of a [tokens, D] head view as fp32, zero outside; L2-normalised if asked."""
+    x = tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask[:, None] & (cols[None, :] < ncols),
+                other=0.0).to(tl.float32)
+    if L2:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _decay_pairs(x_ptr, k_ptr, G_ptr, base, C, stride_xt, stride_kt, stride_gt, I: tl.constexpr,
+                 J: tl.constexpr, K, scale, SUB: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                 L2: tl.constexpr, INCLUSIVE: tl.constexpr, end):
+    """[SUB, SUB] block (I, J) of sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d]) (per-channel decay), masked to j < i or
+    j <= i on the diagonal block."""
+    ri = base + I * SUB + tl.arange(0, SUB)
+    rj = base + J * SUB + tl.arange(0, SUB)
+    mi, mj = ri < end, rj < end
+    cols = tl.arange(0, BK)
+    if J < I:
+        xi = _rows(x_ptr, ri, mi, stride_xt, cols, K, L2) * scale
+        kj = _rows(k_ptr, rj, mj, stride_kt, cols, K, L2)
+        gi = _rows(G_ptr, ri, mi, stride_gt, cols, K, False)
+        gj = _rows(G_ptr, rj, mj, stride_gt, cols, K, False)
+        # G_r: the first row of block i (rows past the end hold no G: then every row of the block is dropped)
+        lim = tl.where(base + I * SUB < end, K, 0)
+        ref = tl.load(G_ptr + (base + I * SUB) * stride_gt + cols, mask=cols < lim, other=0.0)
+        # rows past the end carry zeros: keep their exponents at 0 so no 0 * inf appears in the kept rows
+        ei = tl.where(mi[:, None], gi - ref[None, :], 0.0)
+        ej = tl.where(mj[:, None], ref[None, :] - gj, 0.0)
+        a = tl.dot(xi * tl.exp(ei), tl.trans(kj * tl.exp(ej)), input_precision="ieee")
+    else:
+        # the norms need whole rows: take them first, then the channels BKS at a time
+        xi_f = _rows(x_ptr, ri, mi, stride_xt, cols, K, False)
+        kj_f = _rows(k_ptr, rj, mj, stride_kt, cols, K, False)
+        xi_n = tl.sum(xi_f * xi_f, axis=1)
+        kj_n = tl.sum(kj_f * kj_f, axis=1)
+        a = tl.zeros([SUB, SUB], dtype=tl.float32)
+        ii = tl.arange(0, SUB)
+        keep = ii[:, None] >= ii[None, :] if INCLUSIVE else ii[:, None] > ii[None, :]
+        for d0 in tl.static_range(0, BK, BKS):
+            cs = d0 + tl.arange(0, BKS)
+            xi = _rows(x_ptr, ri, mi, stride_xt, cs, K, False)
+            kj = _rows(k_ptr, rj, mj, stride_kt, cs, K, False)
+            gi = _rows(G_ptr, ri, mi, stride_gt, cs, K, False)
+            gj = _rows(G_ptr, rj, mj, stride_gt, cs, K, False)
+            e = tl.where(keep[:, :, None], gi[:, None, :] - gj[None, :, :], float("-inf"))
+            a += tl.sum(xi[:, None, :] * kj[None, :, :] * tl.exp(e), axis=2)
+        if L2:
+            a = a * tl.rsqrt(xi_n + 1e-6)[:, None] * tl.rsqrt(kj_n + 1e-6)[None, :]
+        a = a * scale
+    return a
+
+
+@triton.jit
+def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+                   stride_bt, stride_bh, HV, REP, K, V, scale,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr, L2: tl.constexpr):
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(chunks_ptr + 2 * c)
+    end = tl.load(chunks_ptr + 2 * c + 1)
+    if start >= end:  # a slot of the chunk table's upper bound that holds no chunk
+        return
+    hk = hv // REP
+    rows = start + tl.arange(0, C)
+    m = rows < end
+    ck = tl.arange(0, BK)
+    cv = tl.arange(0, BV)
+    qh = q_ptr + hk * stride_qh
+    kh = k_ptr + hk * stride_kh
+    kx = _rows(kh, rows, m, stride_kt, ck, K, L2)
+    beta = tl.load(beta_ptr + rows * stride_bt + hv * stride_bh, mask=m, other=0.0).to(tl.float32)
+    # scratch rows: token-major [tokens, HV, D]
+    Gh = G_ptr + hv * BK
+    sG = HV * BK
+    ii = tl.arange(0, C)
+    if PER_CHANNEL:
+        g = _rows(g_ptr + hv * stride_gh, rows, m, stride_gt, ck, K, False)
+        G = tl.cumsum(g, axis=0)  # [C, BK]
+        tl.store(Gh + rows[:, None] * sG + ck[None, :], G, mask=m[:, None])
+        tl.debug_barrier()  # the sub-blocks below read G back
+        Lh = L_ptr + hv * C
+        Ah = A_ptr + hv * C
+        sL = HV * C
+        for I in tl.static_range(C // SUB):
+            ri = start + I * SUB + tl.arange(0, SUB)
+            for J in tl.static_range(I + 1):
+                cj = J * SUB + tl.arange(0, SUB)
+                lk = _decay_pairs(kh, kh, Gh, start, C, stride_kt, stride_kt, sG, I, J, K, 1.0, SUB, BK, BKS,
+                                  L2, False, end)
+                aq = _decay_pairs(qh, kh, Gh, start, C, stride_qt, stride_kt, sG, I, J, K, scale, SUB, BK, BKS,
+                                  L2, True, end)
+                tl.store(Lh + ri[:, None] * sL + cj[None, :], lk, mask=(ri < end)[:, None])
+                tl.store(Ah + ri[:, None] * sL + cj[None, :], aq, mask=(ri < end)[:, None])
+        tl.debug_barrier()
+        # only blocks on and below the diagonal were written: mask the rest away
+        L = tl.load(Lh + rows[:, None] * sL + ii[None, :], mask=m[:, None] & (ii[:, None] > ii[None, :]),
+                    other=0.0)
+        L = L * beta[:, None]
+        decay_k = tl.exp(G)
+    else:
+        g = tl.load(g_ptr + rows * stride_gt + hv * stride_gh, mask=m, other=0.0).to(tl.float32)
+        G = tl.cumsum(g, axis=0)  # [C]
+        tl.store(Gh + rows * sG, G, mask=m)
+        qx = _rows(qh, rows, m, stride_qt, ck, K, L2) * scale
+        e = tl.where(ii[:, None] >= ii[None, :], G[:, None] - G[None, :], float("-inf"))
+        pair = tl.exp(e)
+        L = tl.dot(kx, tl.trans(kx), input_precision="ieee") * pair
+        L = tl.where(ii[:, None] > ii[None, :], L, 0.0) * beta[:, None]
+        Aqk = tl.dot(qx, tl.trans(kx), input_precision="ieee") * pair
+        tl.store(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :], Aqk, mask=m[:, None])
+        decay_k = tl.exp(G)[:, None]
+    # (I + L)^-1 row by row: T_i = e_i - sum_{j<i} L_ij T_j (L_ij = 0 for j >= i)
+    Tm = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        l_i = tl.sum(tl.where(ii[:, None] == i, L, 0.0), axis=0)  # row i of L, [C]
+        t_i = tl.where(ii == i, 1.0, 0.0) - tl.sum(l_i[:, None] * Tm, axis=0)
+        Tm = tl.where(ii[:, None] == i, t_i[None, :], Tm)
+    vx = tl.load(v_ptr + hv * stride_vh + rows[:, None] * stride_vt + cv[None, :],
+                 mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
+    u = tl.dot(Tm, vx * beta[:, None], input_precision="ieee")
+    w = tl.dot(Tm, kx * beta[:, None] * decay_k, input_precision="ieee")
+    tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u, mask=m[:, None])
+    tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], w, mask=m[:, None])
+
+
+@triton.jit
+def _chunk_state(q_ptr, k_ptr, o_ptr, cu_ptr, G_ptr, w_ptr, u_ptr, A_ptr, h0_ptr, ht_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, HV, REP, K, V, scale,
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                 PER_CHANNEL: tl.constexpr, L2: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+    n = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // REP
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    ck = tl.arange(0, BK)
+    cv = vb * BV + tl.arange(0, BV)
+    ii = tl.arange(0, C)
+    hmask = (ck[:, None] < K) & (cv[None, :] < V)
+    state_off = (n * HV + hv) * K * V + ck[:, None] * V + cv[None, :]
+    if HAS_H0:
+        h = tl.load(h0_ptr + state_off, mask=hmask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    qh = q_ptr + hk * stride_qh
+    kh = k_ptr + hk * stride_kh
+    for start in range(bos, eos, C):
+        rows = start + ii
+        m = rows < eos
+        last = tl.minimum(start + C, eos) - 1
+        qx = _rows(qh, rows, m, stride_qt, ck, K, L2) * scale
+        kx = _rows(kh, rows, m, stride_kt, ck, K, L2)
+        w = tl.load(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
+        u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
+                    mask=m[:, None] & (cv[None, :] < V), other=0.0)
+        Aqk = tl.load(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :],
+                      mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
+        if PER_CHANNEL:
+            G = tl.load(G_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
+            Gl = tl.load(G_ptr + hv * BK + last * (HV * BK) + ck)  # [BK]
+            qd = qx * tl.exp(G)
+            kd = kx * tl.exp(Gl[None, :] - G)
+            hdec = tl.exp(Gl)[:, None]
+        else:
+            G = tl.load(G_ptr + hv * BK + rows * (HV * BK), mask=m, other=0.0)
+            Gl = tl.load(G_ptr + hv * BK + last * (HV * BK))
+            qd = qx * tl.exp(G)[:, None]
+            kd = kx * tl.exp(Gl - G)[:, None]
+            hdec = tl.exp(Gl)
+        kd = tl.where(m[:, None], kd, 0.0)
+        v_new = u - tl.dot(w, h, input_precision=PREC)
+        o = tl.dot(qd, h, input_precision=PREC) + tl.dot(Aqk, v_new, input_precision=PREC)
+        tl.store(o_ptr + hv * stride_oh + rows[:, None] * stride_ot + cv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=m[:, None] & (cv[None, :] < V))
+        h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+    tl.store(ht_ptr + state_off, h, mask=hmask)
+
+
+def chunk_table(cu_seqlens: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
+    """[slots, 2] int32 (start, end) of every chunk of the packed sequences, built on the device: slots is the
+    upper bound cdiv(total, chunk) + sequences; unused slots hold (0, 0)."""
+    n = cu_seqlens.numel() - 1
+    slots = triton.cdiv(total, chunk) + n
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    counts = (lens + chunk - 1) // chunk
+    ends = counts.cumsum(0)
+    j = torch.arange(slots, device=cu.device)
+    seq = torch.searchsorted(ends, j, right=True).clamp(max=n - 1)
+    first = ends[seq] - counts[seq]
+    start = cu[seq] + (j - first) * chunk
+    end = torch.minimum(start + chunk, cu[seq + 1])
+    used = j < ends[-1]
+    return torch.stack([torch.where(used, start, 0), torch.where(used, end, 0)], 1).to(torch.int32).contiguous()
+
+
+def _head_view(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, D] as a packed [B * T, H, D] view (copying only when the strides do not allow one)."""
+    B, T = x.shape[:2]
+    if B > 1 and x.stride(0) != T * x.stride(1):
+        x = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(B * T, *x.shape[2:]) if B > 1 or x.dim() == 4 else x
+
+
+def delta_rule_chunk_triton(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
+                            use_l2norm: bool = True):
+    """-> (o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32); semantics of reference.delta_rule_*."""
+    B, T, HV, V = v.shape
+    HK, K = k.shape[2], k.shape[3]
+    per_channel = g.dim() == 4
+    cfg = CONFIG["chunk"]
+    BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    C = cfg["C_WIDE"] if max(BK, BVF) >= 128 else cfg["C"]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=v.device, dtype=torch.int32)
+    total = B * T
+    N = cu_seqlens.numel() - 1
+    qf, kf, vf = _head_view(q), _head_view(k), _head_view(v)
+    gf = _head_view(g) if per_channel else g.reshape(total, HV)
+    bf = beta.reshape(total, HV)
+    f32 = dict(dtype=torch.float32, device=v.device)
+    Gs = torch.empty(total, HV, BK, **f32)  # the in-chunk cumulative decay; a scalar decay uses column 0
+    w = torch.empty(total, HV, BK, **f32)
+    u = torch.empty(total, HV, BVF, **f32)
+    A = torch.empty(total, HV, C, **f32)
+    Ls = torch.empty(total, HV, C, **f32) if per_channel else A
+    chunks = chunk_table(cu_seqlens, total, C)
+    _chunk_prepare[(chunks.shape[0], HV)](
+        qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls,
+        qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+        gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), HV, HV // HK, K, V, scale,
+        C=C, BK=BK, BV=BVF, SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel, L2=use_l2norm,
+        num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    of = o.view(total, HV, V)
+    final = torch.empty(N, HV, K, V, **f32)
+    h0 = initial_state.float().contiguous() if initial_state is not None else final
+    BV = min(BVF, cfg["BV"])
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
+    _chunk_state[(N, HV, triton.cdiv(V, BV))](
+        qf, kf, of, cu_seqlens, Gs, w, u, A, h0, final,
+        qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), of.stride(0), of.stride(1), HV, HV // HK, K, V,
+        scale, C=C, BK=BK, BV=BV, BVF=BVF, PER_CHANNEL=per_channel, L2=use_l2norm,
+        HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+    return o, final
