@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-MLA, SSM, MOE = "mla", "ssm", "moe"
+MLA, SSM, MOE, DELTA = "mla", "ssm", "moe", "delta"
 
 
 def clean_path(dynamo_path: str) -> str:
@@ -190,14 +190,38 @@ def is_mamba2_mixer(m: nn.Module) -> bool:
     return mamba2_dims(m) is not None
 
 
+def _named_param(m: nn.Module, name: str, depth: int = 2) -> torch.Tensor | None:
+    """Parameter ``name`` of ``m`` or of a submodule at most ``depth`` levels down (Kimi keeps its decay
+    parameters in a forget-gate child)."""
+    for path, t in m.named_parameters():
+        parts = path.split(".")
+        if parts[-1] == name and len(parts) <= depth + 1:
+            return t
+    return None
+
+
+def is_delta_mixer(m: nn.Module) -> bool:
+    """A gated delta-rule mixer (Gated DeltaNet, Kimi Delta Attention): a depthwise short conv over q/k/v, a decay
+    parametrised by ``A_log`` and ``dt_bias`` (on the mixer or a gate submodule), and no per-head ``D`` skip, which
+    every Mamba2 mixer has (it holds ``A_log``, ``dt_bias``, a conv and a gated norm too)."""
+    conv = getattr(m, "conv1d", None)
+    if not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels or conv.in_channels < 3:
+        return False
+    if "D" in _direct_params(m) or is_mamba1_mixer(m):
+        return False
+    return _named_param(m, "A_log") is not None and _named_param(m, "dt_bias") is not None
+
+
 def classify(m: nn.Module | None) -> str | None:
-    """The region kind a module is a candidate for ("mla", "ssm", "moe") or None."""
+    """The region kind a module is a candidate for ("mla", "ssm", "delta", "moe") or None."""
     if m is None:
         return None
     if is_mla_attention(m):
         return MLA
     if is_mamba1_mixer(m) or is_mamba2_mixer(m):
         return SSM
+    if is_delta_mixer(m):
+        return DELTA
     if is_moe_block(m):
         return MOE
     return None

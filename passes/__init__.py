@@ -2,6 +2,7 @@
 (prepare.py)."""
 from .base import Pass, PassContext, PassResult, RegionPass, RegionResult, Skip
 from .complex import LowerComplex
+from .delta import FuseDelta
 from .glu import FuseGLU
 from .linear import DecodeLinear
 from .mla import FuseMLA
@@ -17,7 +18,7 @@ from .ssm import FuseSSM
 #: the linears left over routed through hybrid::linear, then the RMSNorms before them fused into those linears,
 #: then gated MLPs' activations into their gate + up launch) come last, so the region passes see the graph as HF's
 #: code traced it.
-PIPELINE: list[Pass] = [FuseMLA(), FuseMLADecodeStep(), FuseSSM(), FuseMoE(), LowerComplex(), DecodeLinear(),
+PIPELINE: list[Pass] = [FuseMLA(), FuseMLADecodeStep(), FuseSSM(), FuseDelta(), FuseMoE(), LowerComplex(), DecodeLinear(),
                         FuseNorm(), FuseGLU()]
 PASS_NAMES = [p.name for p in PIPELINE]
 

@@ -19,6 +19,14 @@ Two changes, both made at most once per process and both exact (same math as HF'
    first shows such a mixer (then one retrace, as above) or by the engine before it compiles (no retrace). The
    wrapper stays for the process: any later trace of that HF module (other backends, torch.export) sees the opaque op
    too, whose implementation is hybrid's scan; an exported program then needs hybrid's ops registered.
+3. The gated delta rule: HF's delta-rule mixers (Gated DeltaNet, Kimi Delta Attention) call module-level functions
+   with flash-linear-attention's interface (``query, key, value, g, beta, ..., initial_state, output_final_state,
+   use_qk_l2norm_in_kernel``): a torch loop over chunks or tokens that dynamo unrolls and specialises on the
+   length. They are found by that signature, not by name, and proven before anything changes: each is run against
+   ``hybrid::delta_rule`` on a probe (decay per head and per key channel, an initial state; only the kinds that
+   agree are taken) and the live mixer is run with and without the replacement. The wrapper calls HF's function
+   when running eagerly and the opaque op while dynamo traces; a mixer that fails a proof keeps HF's functions and
+   the delta pass reports why.
 """
 from __future__ import annotations
 
@@ -29,7 +37,8 @@ import warnings
 
 import torch
 
-from graphs.modules import experts_weights, is_mamba1_mixer
+from graphs.modules import experts_weights, is_delta_mixer, is_mamba1_mixer
+from kernels.numerics import close
 
 from .base import PassContext, Skip
 from .probes import identify_experts
@@ -148,15 +157,159 @@ def _adopt_mamba1_scans(ctx: PassContext) -> str:
             "hybrid::selective_scan_rt (one recompile, then one graph for every length)")
 
 
+# -- 3. the gated delta rule ------------------------------------------------------------------------------------
+DELTA_PARAMS = ("query", "key", "value", "g", "beta")
+#: mixer class -> why its delta-rule functions were left as HF wrote them (read by the delta pass)
+DELTA_REFUSED: dict[type, str] = {}
+
+
+def _delta_functions(mixer_cls: type) -> dict[str, object]:
+    """The module-level functions of ``mixer_cls``'s module with the delta-rule interface, not yet wrapped."""
+    import inspect
+    mod = sys.modules.get(mixer_cls.__module__)
+    found = {}
+    for name, fn in vars(mod).items() if mod is not None else ():
+        if not inspect.isfunction(fn) or hasattr(fn, "_hybrid_original"):
+            continue
+        params = list(inspect.signature(fn).parameters)
+        if tuple(params[:5]) == DELTA_PARAMS and {"initial_state", "output_final_state"} <= set(params):
+            found[name] = fn
+    return found
+
+
+def _wrap_delta(original, kinds: frozenset):
+    import inspect
+    names = list(inspect.signature(original).parameters)
+    defaults = {k: p.default for k, p in inspect.signature(original).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    @functools.wraps(original)
+    def hybrid_delta_rule(*args, **kwargs):
+        if not (torch.compiler.is_compiling() or getattr(hybrid_delta_rule, "_force", False)):
+            return original(*args, **kwargs)
+        bound = dict(defaults)
+        bound.update(zip(names, args))
+        bound.update(kwargs)
+        q, k, v, g, beta = (bound[n] for n in DELTA_PARAMS)
+        kind = "channel" if g.dim() == 4 else "head"
+        if kind not in kinds:
+            return original(*args, **kwargs)
+        scale = bound.get("scale")
+        scale = float(k.shape[-1] ** -0.5) if scale is None else float(scale)
+        o, final = torch.ops.hybrid.delta_rule(q, k, v, g, beta, scale, bound.get("initial_state"),
+                                               bound.get("cu_seqlens"), bool(bound.get("use_qk_l2norm_in_kernel")))
+        return o.to(q.dtype), (final if bound.get("output_final_state") else None)
+    hybrid_delta_rule._hybrid_original = original
+    hybrid_delta_rule._hybrid_kinds = kinds
+    return hybrid_delta_rule
+
+
+def _probe_kinds(fn, device, dtype) -> tuple[frozenset, str]:
+    """The decay kinds ("head", "channel") on which ``fn`` equals hybrid::delta_rule, and why the others do not."""
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen).to(device, dtype)  # noqa: E731
+    B, T, H, K, V = 2, 11, 2, 16, 8
+    q, k, v, beta = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), torch.rand(B, T, H, generator=gen).to(device, dtype)
+    s0 = torch.randn(B, H, K, V, generator=gen).to(device)
+    ok, why = set(), []
+    for kind, g in (("head", -torch.rand(B, T, H, generator=gen)), ("channel", -torch.rand(B, T, H, K, generator=gen))):
+        g = g.to(device, torch.float32)
+        try:
+            want = fn(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            got = torch.ops.hybrid.delta_rule(q, k, v, g, beta, K ** -0.5, s0, None, True)
+            good = all(close(a.to(b.dtype), b, dtype, tol=1e-4 if dtype == torch.float32 else 3e-2)[0]
+                       for a, b in zip(got, want))
+        except Exception as e:  # noqa: BLE001  (a function that cannot take this decay kind does not get it)
+            good, e_msg = False, f"{type(e).__name__}: {e}"
+        else:
+            e_msg = "differs from hybrid::delta_rule"
+        if good:
+            ok.add(kind)
+        else:
+            why.append(f"{fn.__name__} with a decay per {kind}: {e_msg}")
+    return frozenset(ok), "; ".join(why)
+
+
+def install_delta(mixer: torch.nn.Module) -> bool:
+    """Wrap the delta-rule functions of ``mixer``'s HF module after proving them; True when newly installed."""
+    cls = type(mixer)
+    if cls in DELTA_REFUSED:
+        return False
+    fns = _delta_functions(cls)
+    if not fns:
+        return False
+    p = next(mixer.parameters())
+    dtype = p.dtype if p.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    wrapped, notes = {}, []
+    with torch.no_grad():
+        for name, fn in fns.items():
+            kinds, why = _probe_kinds(fn, p.device, dtype)
+            if kinds:
+                wrapped[name] = _wrap_delta(fn, kinds)
+            notes.append(why)
+    if not wrapped:
+        DELTA_REFUSED[cls] = "; ".join(n for n in notes if n) or "no delta-rule function agrees with hybrid's"
+        return False
+    mod = sys.modules[cls.__module__]
+    for name, w in wrapped.items():
+        setattr(mod, name, w)
+    why = _probe_mixer(mixer, list(wrapped.values()))
+    if why:
+        for name, fn in fns.items():
+            if name in wrapped:
+                setattr(mod, name, fn)
+        DELTA_REFUSED[cls] = why
+        return False
+    return True
+
+
+def _probe_mixer(mixer: torch.nn.Module, wrappers: list) -> str:
+    """The live mixer (no cache) with hybrid's op in place of HF's functions equals HF's own; '' or why not."""
+    p = next(mixer.parameters())
+    hidden = getattr(mixer, "hidden_size", None) or getattr(getattr(mixer, "config", None), "hidden_size", None)
+    if hidden is None:
+        return "cannot tell the mixer's hidden size for its probe"
+    x = torch.randn(2, 9, hidden, generator=torch.Generator().manual_seed(3)).to(p.device, p.dtype)
+    try:
+        with torch.no_grad():
+            want = mixer(x)
+            for w in wrappers:
+                w._force = True
+            got = mixer(x)
+    except Exception as e:  # noqa: BLE001
+        return f"the mixer's probe failed with hybrid's delta rule ({type(e).__name__}: {e})"
+    finally:
+        for w in wrappers:
+            w._force = False
+    want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
+    ok, msg = close(got, want, p.dtype, tol=1e-4 if p.dtype == torch.float32 else 3e-2)
+    return "" if ok else f"the mixer with hybrid's delta rule differs from HF's ({msg})"
+
+
+def _adopt_delta_rules(ctx: PassContext) -> str:
+    mixers = {}
+    for rec in ctx.index:
+        if rec.module is not None and is_delta_mixer(rec.module):
+            mixers.setdefault(type(rec.module), rec.module)
+    pending = [m for c, m in mixers.items() if c not in DELTA_REFUSED and _delta_functions(c)]
+    if not pending:
+        return ""
+    ctx.before_retrace.extend(functools.partial(install_delta, m) for m in pending)
+    ctx.retrace = True
+    return ("HF's delta-rule functions unroll over chunks and specialise this graph on the length: from the next "
+            "call they run as hybrid::delta_rule (one recompile, then one graph for every length)")
+
+
 # -- the stage ----------------------------------------------------------------------------------------------------
 def prepare_graph(ctx: PassContext) -> list[str]:
     """The preparation a graph calls for (run by the backend before the passes); returns its graph notes."""
     import kernels  # noqa: F401  (registers the run-time twins the changes call)
-    return [note for note in (_adopt_eager_experts(ctx), _adopt_mamba1_scans(ctx)) if note]
+    return [note for note in (_adopt_eager_experts(ctx), _adopt_mamba1_scans(ctx), _adopt_delta_rules(ctx)) if note]
 
 
 def prepare_model(model: torch.nn.Module) -> int:
     """The preparation a model calls for before it is compiled (the engine); returns how many changes were made."""
     import kernels  # noqa: F401
     classes = {type(m) for m in model.modules() if is_mamba1_mixer(m)}
-    return sum(install_scan(c) for c in classes)
+    mixers = {type(m): m for m in model.modules() if is_delta_mixer(m)}
+    return sum(install_scan(c) for c in classes) + sum(install_delta(m) for m in mixers.values())

@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from runtime import zoo
-from graphs.modules import MLA, MOE, SSM, classify, clean_path, mamba2_dims
+from graphs.modules import DELTA, MLA, MOE, SSM, classify, clean_path, mamba2_dims
 
 EXPECTED = {
     "llama": {},
@@ -34,7 +34,8 @@ def test_classification_on_zoo(name):
 
 
 def test_gated_delta_net_is_not_mamba2():
-    """Qwen3-Next's gated delta-net holds A_log, dt_bias and a conv1d like Mamba2: it must not match."""
+    """Qwen3-Next's gated delta-net holds A_log, dt_bias and a conv1d like Mamba2: it must not match Mamba2, and it
+    is a delta-rule mixer."""
     cfg = transformers.AutoConfig.for_model(
         "qwen3_next", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,7 +45,7 @@ def test_gated_delta_net_is_not_mamba2():
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     gdn = model.model.layers[0].linear_attn
     assert hasattr(gdn, "A_log") and hasattr(gdn, "dt_bias") and hasattr(gdn, "conv1d")
-    assert classify(gdn) is None
+    assert classify(gdn) == DELTA
     assert classify(model.model.layers[0].mlp) == MOE  # its MoE block is still an MoE block
 
 

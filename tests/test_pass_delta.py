@@ -1,0 +1,49 @@
+"""Delta-rule mixers (Qwen3-Next's Gated DeltaNet, Kimi Linear's KDA) on real HF model classes: compiled with the
+hybrid backend they match eager (logits and greedy tokens), the mixers' graphs hold ``hybrid::delta_rule`` after
+the one retrace, and prompts of new lengths compile no new graph. Negative cases: a Mamba2 mixer is never a delta
+mixer; a function with the delta-rule interface that computes something else is refused with the reason."""
+import sys
+import types
+
+import pytest
+import torch
+
+from graphs.modules import DELTA, SSM, classify
+from harness import assert_matches, run_both
+from passes import prepare
+from runtime import zoo
+
+
+def _delta_status(report) -> set[str]:
+    return {status for r in report.regions() if r["kind"] == DELTA for status in r["graphs"].values()}
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear"])
+def test_delta_mixers_rewritten_and_equal_eager(name):
+    run = run_both(name, new_tokens=3, tokens=9)
+    assert_matches(run)
+    assert "rewritten" in _delta_status(run.report), run.report.regions()
+
+
+def test_mamba2_mixer_is_not_a_delta_mixer():
+    model = zoo.build("mamba2")
+    assert classify(model.backbone.layers[0].mixer) == SSM
+
+
+def test_function_that_differs_is_refused(monkeypatch):
+    """A mixer module whose delta-rule-shaped function computes something else keeps it, with the reason."""
+    model = zoo.build("qwen3_next")
+    mixer = model.model.layers[0].linear_attn
+    mod = types.ModuleType("fake_delta_module")
+
+    def chunk_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, **kwargs):
+        return value * 2, initial_state
+    mod.chunk_rule = chunk_rule
+    cls = type("FakeDeltaNet", (type(mixer),), {"__module__": mod.__name__})
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    mixer.__class__ = cls
+    with torch.no_grad():
+        assert not prepare.install_delta(mixer)
+    assert mod.chunk_rule is chunk_rule
+    assert "differs" in prepare.DELTA_REFUSED.pop(cls)
