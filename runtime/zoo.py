@@ -94,6 +94,20 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
         mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=256,
         position_embedding_type="rope"),
              "hybrid: Mamba2 + attention, MoE with a shared MLP in every layer"),
+    ZooEntry("qwen3_next", "qwen3_next", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        layer_types=["linear_attention"] * 3 + ["full_attention"]),
+             "hybrid 3:1: Gated DeltaNet (decay per head, 2 key heads for 4 value heads) + gated attention + MoE"),
+    ZooEntry("kimi_linear", "kimi_linear", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, num_experts=4, num_experts_per_tok=2, linear_num_heads=4,
+        linear_head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["linear_attention"] * 3 + ["full_attention"]),
+             "hybrid 3:1: Kimi Delta Attention (decay per key channel) + MLA + MoE"),
     # Realistic widths, few layers (GPU benchmarks).
     ZooEntry("deepseek-v2-lite-shape", "deepseek_v2", dict(
         vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
@@ -114,6 +128,15 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=8192),
              "Qwen3-30B-A3B widths (128 small experts, top-8), 2 layers", realistic=True),
+    ZooEntry("qwen3-next-80b-a3b-shape", "qwen3_next", dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=65536),
+             "Qwen3-Next-80B-A3B widths (Gated DeltaNet 16 key / 32 value heads x 128, 512 experts top-10), "
+             "4 layers 3:1", realistic=True),
+    ZooEntry("kimi-linear-48b-a3b-shape", "kimi_linear", dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=65536),
+             "Kimi-Linear-48B-A3B widths (KDA 32 heads x 128, MLA, 256 experts top-8), 4 layers 3:1",
+             realistic=True),
 ]}
 
 
