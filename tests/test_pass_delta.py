@@ -47,3 +47,20 @@ def test_function_that_differs_is_refused(monkeypatch):
         assert not prepare.install_delta(mixer)
     assert mod.chunk_rule is chunk_rule
     assert "differs" in prepare.DELTA_REFUSED.pop(cls)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear"])
+def test_engine_greedy_equals_hf(name):
+    """The engine (compiled, hybrid::delta_rule in its graphs, state rows beside the paged caches) gives HF's
+    greedy tokens for two prompts of different lengths decoded together."""
+    from runtime.engine import Engine
+    from runtime.engine.sequence import SamplingParams
+    model = zoo.build(name)
+    model.generation_config.eos_token_id = None  # the engine below ignores EOS: so must HF
+    ids = torch.randint(3, 256, (2, 37), generator=torch.Generator().manual_seed(0))
+    prompts = [ids[0].tolist(), ids[1, :20].tolist()]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    out = Engine(zoo.build(name)).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in out] == want
