@@ -89,6 +89,7 @@ def prefill_rows(lengths, fla, dev):
     rows = []
     for name, s in SHAPES.items():
         hf_fn = chunk_kimi_delta_attention if s["per_channel"] else torch_chunk_gated_delta_rule
+        hf_fn = getattr(hf_fn, "__wrapped__", hf_fn)  # HF's torch path itself, not its dispatch to fla
         for T in lengths:
             row = dict(section="prefill", shape=name, T=T)
             try:
@@ -104,6 +105,7 @@ def prefill_rows(lengths, fla, dev):
                     row.update(err_o_vs_fla=rel(o, fo), err_state_vs_fla=rel(st, fs))
                     row["fla_ms"] = cuda_ms(lambda: fla_call(fn, qr, kr, v, g, beta, h0))
                 row["hybrid_ms"] = cuda_ms(ours)
+                row["kernels_ms"] = kernel_times(ours)
                 if T <= 4096:
                     hf = lambda: hf_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,  # noqa: E731
                                        use_qk_l2norm_in_kernel=True)
@@ -119,6 +121,45 @@ def prefill_rows(lengths, fla, dev):
             log("prefill", row)
             rows.append(row)
             torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_times(fn) -> dict:
+    """GPU time per kernel name of one call (torch.profiler), in ms: where a call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            out[e.key[:40]] = round(t / 1e3, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:6])
+
+
+def decode_sweep(dev) -> list[dict]:
+    """The step kernel's value block and warps at B = 64, both shapes (bench/TUNING.md)."""
+    from kernels.delta.triton_config import CONFIG
+    from kernels.delta.triton_step import delta_rule_step_triton
+    rows, saved = [], dict(CONFIG["step"])
+    for name, s in SHAPES.items():
+        B = 64
+        table = torch.randn(B * 4, s["HV"], s["K"], s["V"], device=dev) * 0.1
+        idx = torch.randperm(B * 4, device=dev)[:B].to(torch.int32)
+        q, k, v, g, beta = inputs(B, 1, s["HK"], s["HV"], s["K"], s["V"], s["per_channel"], dev)
+        for bv in (16, 32, 64, 128):
+            for warps in (2, 4, 8):
+                CONFIG["step"].update(BV=bv, warps=warps)
+                try:
+                    ms = cuda_ms(lambda: delta_rule_step_triton(q, k, v, g, beta, 0.1, table, table, idx), rep=30)
+                    gbps = 2 * B * s["HV"] * s["K"] * s["V"] * 4 / ms / 1e6
+                    rows.append(dict(section="decode_sweep", shape=name, B=B, BV=bv, warps=warps, ms=ms, GBps=gbps))
+                except Exception as e:  # noqa: BLE001
+                    rows.append(dict(section="decode_sweep", shape=name, BV=bv, warps=warps, error=str(e)[:200]))
+                log("sweep", rows[-1])
+    CONFIG["step"].clear()
+    CONFIG["step"].update(saved)
     return rows
 
 
@@ -169,10 +210,13 @@ def table_md(rows) -> str:
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     f = lambda x, p=3: "" if x is None else (f"{x:.{p}f}" if isinstance(x, float) else str(x))  # noqa: E731
     for r in rows:
+        if r["section"] not in ("prefill", "decode"):
+            continue
         out.append(f"| {r['section']} | {r['shape']} | {r.get('T', r.get('B'))} | {f(r.get('hybrid_ms'))} | "
                    f"{f(r.get('fla_ms'))} | {f(r.get('vs_fla'), 2)} | {f(r.get('hf_ms'))} | {f(r.get('vs_hf'), 1)} | "
                    f"{f(r.get('of_copy_bw'), 2)} | {f(r.get('err_o_vs_fla'), 4)} {r.get('error', '')} |")
-    return "\n".join(out)
+    kernels = [f"- {r['shape']} T={r['T']}: {r['kernels_ms']}" for r in rows if r.get("kernels_ms")]
+    return "\n".join(out + ["", "GPU time per kernel of one prefill call (ms):", *kernels])
 
 
 def main():
@@ -182,9 +226,14 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     fla = fla_fns()
-    lengths, batches = ([256], [2]) if args.smoke else ([4096, 8192, 16384, 32768], [1, 64, 256])
-    rows = prefill_rows(lengths, fla, dev) + decode_rows(batches, fla, dev)
-    md = table_md(rows)
+    lengths, batches = ([256], [2]) if args.smoke else ([4096, 16384, 32768], [1, 64, 256])
+    rows = prefill_rows(lengths, fla, dev)
+    write(args.out, "delta", rows, table_md(rows))
+    rows += decode_rows(batches, fla, dev)
+    write(args.out, "delta", rows, table_md(rows))
+    sweep = decode_sweep(dev)
+    md = table_md(rows) + "\n\n" + "\n".join(f"- {r}" for r in sweep)
+    rows += sweep
     print(md)
     write(args.out, "delta", rows, md)
 

@@ -79,7 +79,7 @@ def _decay_pairs(x_ptr, k_ptr, G_ptr, base, C, stride_xt, stride_kt, stride_gt, 
 
 
 @triton.jit
-def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr,
+def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr, kd_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
                    stride_bt, stride_bh, HV, REP, K, V, scale,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr,
@@ -127,6 +127,8 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
                     other=0.0)
         L = L * beta[:, None]
         decay_k = tl.exp(G)
+        Gl = tl.sum(tl.where(ii[:, None] == end - 1 - start, G, 0.0), axis=0)  # [BK]: the chunk's last row
+        kd = kx * tl.exp(Gl[None, :] - G)
     else:
         g = tl.load(g_ptr + rows * stride_gt + hv * stride_gh, mask=m, other=0.0).to(tl.float32)
         G = tl.cumsum(g, axis=0)  # [C]
@@ -139,6 +141,8 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
         Aqk = tl.dot(qx, tl.trans(kx), input_precision="ieee") * pair
         tl.store(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :], Aqk, mask=m[:, None])
         decay_k = tl.exp(G)[:, None]
+        Gl = tl.sum(tl.where(ii == end - 1 - start, G, 0.0), axis=0)
+        kd = kx * tl.exp(Gl - G)[:, None]
     # (I + L)^-1 row by row: T_i = e_i - sum_{j<i} L_ij T_j (L_ij = 0 for j >= i)
     Tm = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
     for i in range(1, C):
@@ -151,19 +155,23 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
     w = tl.dot(Tm, kx * beta[:, None] * decay_k, input_precision="ieee")
     tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u, mask=m[:, None])
     tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], w, mask=m[:, None])
+    # the keys as the state update reads them: k exp(G_last - G), zero past the end
+    tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], tl.where(m[:, None], kd, 0.0),
+             mask=m[:, None])
 
 
 @triton.jit
-def _chunk_state(q_ptr, k_ptr, o_ptr, cu_ptr, G_ptr, w_ptr, u_ptr, A_ptr, h0_ptr, ht_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, HV, REP, K, V, scale,
+def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr, hc_ptr, vn_ptr, HV, K, V,
                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-                 PER_CHANNEL: tl.constexpr, L2: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+    """The sequential pass: per chunk, store the state the chunk starts from (for the output kernel), v' = u - w S
+    (stored), S <- exp(G_last) S + kd^T v'."""
     n = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
-    hk = hv // REP
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
+    slot = tl.load(first_ptr + n)
     ck = tl.arange(0, BK)
     cv = vb * BV + tl.arange(0, BV)
     ii = tl.arange(0, C)
@@ -173,43 +181,65 @@ def _chunk_state(q_ptr, k_ptr, o_ptr, cu_ptr, G_ptr, w_ptr, u_ptr, A_ptr, h0_ptr
         h = tl.load(h0_ptr + state_off, mask=hmask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
-    qh = q_ptr + hk * stride_qh
-    kh = k_ptr + hk * stride_kh
     for start in range(bos, eos, C):
         rows = start + ii
         m = rows < eos
         last = tl.minimum(start + C, eos) - 1
-        qx = _rows(qh, rows, m, stride_qt, ck, K, L2) * scale
-        kx = _rows(kh, rows, m, stride_kt, ck, K, L2)
+        tl.store(hc_ptr + (slot * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :], h)
         w = tl.load(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
+        kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
         u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
                     mask=m[:, None] & (cv[None, :] < V), other=0.0)
-        Aqk = tl.load(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :],
-                      mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
-        if PER_CHANNEL:
-            G = tl.load(G_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
-            Gl = tl.load(G_ptr + hv * BK + last * (HV * BK) + ck)  # [BK]
-            qd = qx * tl.exp(G)
-            kd = kx * tl.exp(Gl[None, :] - G)
-            hdec = tl.exp(Gl)[:, None]
-        else:
-            G = tl.load(G_ptr + hv * BK + rows * (HV * BK), mask=m, other=0.0)
-            Gl = tl.load(G_ptr + hv * BK + last * (HV * BK))
-            qd = qx * tl.exp(G)[:, None]
-            kd = kx * tl.exp(Gl - G)[:, None]
-            hdec = tl.exp(Gl)
-        kd = tl.where(m[:, None], kd, 0.0)
         v_new = u - tl.dot(w, h, input_precision=PREC)
-        o = tl.dot(qd, h, input_precision=PREC) + tl.dot(Aqk, v_new, input_precision=PREC)
-        tl.store(o_ptr + hv * stride_oh + rows[:, None] * stride_ot + cv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=m[:, None] & (cv[None, :] < V))
+        tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new, mask=m[:, None])
+        if PER_CHANNEL:
+            hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK) + ck))[:, None]
+        else:
+            hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK)))
         h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        slot += 1
     tl.store(ht_ptr + state_off, h, mask=hmask)
 
 
-def chunk_table(cu_seqlens: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
-    """[slots, 2] int32 (start, end) of every chunk of the packed sequences, built on the device: slots is the
-    upper bound cdiv(total, chunk) + sequences; unused slots hold (0, 0)."""
+@triton.jit
+def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride_qt, stride_qh, stride_ot,
+                  stride_oh, HV, REP, K, V, scale,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+    """Every chunk in parallel: o = (q exp(G)) S_chunk + Aqk v'."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(chunks_ptr + 2 * c)
+    end = tl.load(chunks_ptr + 2 * c + 1)
+    if start >= end:
+        return
+    hk = hv // REP
+    rows = start + tl.arange(0, C)
+    m = rows < end
+    ii = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    cv = vb * BV + tl.arange(0, BV)
+    qx = _rows(q_ptr + hk * stride_qh, rows, m, stride_qt, ck, K, L2) * scale
+    if PER_CHANNEL:
+        G = tl.load(G_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
+        qd = qx * tl.exp(G)
+    else:
+        G = tl.load(G_ptr + hv * BK + rows * (HV * BK), mask=m, other=0.0)
+        qd = qx * tl.exp(G)[:, None]
+    h = tl.load(hc_ptr + (c * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :])
+    Aqk = tl.load(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :],
+                  mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
+    vn = tl.load(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], mask=m[:, None], other=0.0)
+    o = tl.dot(qd, h, input_precision=PREC) + tl.dot(Aqk, vn, input_precision=PREC)
+    tl.store(o_ptr + hv * stride_oh + rows[:, None] * stride_ot + cv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=m[:, None] & (cv[None, :] < V))
+
+
+def chunk_table(cu_seqlens: torch.Tensor, total: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([slots, 2] int32 (start, end) of every chunk of the packed sequences, [N] int32 slot of each sequence's
+    first chunk), built on the device: slots is the upper bound cdiv(total, chunk) + sequences; unused slots hold
+    (0, 0)."""
     n = cu_seqlens.numel() - 1
     slots = triton.cdiv(total, chunk) + n
     cu = cu_seqlens.long()
@@ -222,7 +252,8 @@ def chunk_table(cu_seqlens: torch.Tensor, total: int, chunk: int) -> torch.Tenso
     start = cu[seq] + (j - first) * chunk
     end = torch.minimum(start + chunk, cu[seq + 1])
     used = j < ends[-1]
-    return torch.stack([torch.where(used, start, 0), torch.where(used, end, 0)], 1).to(torch.int32).contiguous()
+    table = torch.stack([torch.where(used, start, 0), torch.where(used, end, 0)], 1).to(torch.int32).contiguous()
+    return table, (ends - counts).to(torch.int32)
 
 
 def _head_view(x: torch.Tensor) -> torch.Tensor:
@@ -235,15 +266,35 @@ def _head_view(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(B * T, *x.shape[2:]) if B > 1 or x.dim() == 4 else x
 
 
+#: (K, V, per_channel, dtype) -> the chunk length that fits this device's shared memory (first launch finds it)
+_CHUNK_FITS: dict = {}
+
+
 def delta_rule_chunk_triton(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
                             use_l2norm: bool = True):
-    """-> (o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32); semantics of reference.delta_rule_*."""
+    """-> (o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32); semantics of reference.delta_rule_*.
+    Chunks of CONFIG's C tokens, or half that where a kernel's tiles overflow shared memory (the math is the same
+    at every chunk length)."""
+    key = (k.shape[-1], v.shape[-1], g.dim() == 4, v.dtype, v.device)
+    cfg = CONFIG["chunk"]
+    sizes = [_CHUNK_FITS[key]] if key in _CHUNK_FITS else [c for c in (cfg["C"], cfg["C"] // 2, 16) if c >= 16]
+    for i, C in enumerate(sizes):
+        try:
+            out = _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C)
+        except triton.runtime.errors.OutOfResources:
+            if i + 1 == len(sizes):
+                raise
+            continue
+        _CHUNK_FITS[key] = C
+        return out
+
+
+def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     B, T, HV, V = v.shape
     HK, K = k.shape[2], k.shape[3]
     per_channel = g.dim() == 4
     cfg = CONFIG["chunk"]
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    C = cfg["C_WIDE"] if max(BK, BVF) >= 128 else cfg["C"]
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, (B + 1) * T, T, device=v.device, dtype=torch.int32)
     total = B * T
@@ -254,25 +305,32 @@ def delta_rule_chunk_triton(q, k, v, g, beta, scale: float, initial_state=None, 
     f32 = dict(dtype=torch.float32, device=v.device)
     Gs = torch.empty(total, HV, BK, **f32)  # the in-chunk cumulative decay; a scalar decay uses column 0
     w = torch.empty(total, HV, BK, **f32)
+    kd = torch.empty(total, HV, BK, **f32)
     u = torch.empty(total, HV, BVF, **f32)
     A = torch.empty(total, HV, C, **f32)
     Ls = torch.empty(total, HV, C, **f32) if per_channel else A
-    chunks = chunk_table(cu_seqlens, total, C)
-    _chunk_prepare[(chunks.shape[0], HV)](
-        qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls,
+    chunks, first = chunk_table(cu_seqlens, total, C)
+    slots = chunks.shape[0]
+    _chunk_prepare[(slots, HV)](
+        qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls, kd,
         qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), HV, HV // HK, K, V, scale,
         C=C, BK=BK, BV=BVF, SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel, L2=use_l2norm,
         num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    of = o.view(total, HV, V)
     final = torch.empty(N, HV, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else final
+    hc = torch.empty(slots, HV, BK, BVF, **f32)  # the state each chunk starts from
+    vn = torch.empty(total, HV, BVF, **f32)
     BV = min(BVF, cfg["BV"])
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
     _chunk_state[(N, HV, triton.cdiv(V, BV))](
-        qf, kf, of, cu_seqlens, Gs, w, u, A, h0, final,
-        qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), of.stride(0), of.stride(1), HV, HV // HK, K, V,
-        scale, C=C, BK=BK, BV=BV, BVF=BVF, PER_CHANNEL=per_channel, L2=use_l2norm,
-        HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+        cu_seqlens, first, Gs, w, u, kd, h0, final, hc, vn, HV, K, V, C=C, BK=BK, BV=BV, BVF=BVF,
+        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"],
+        num_stages=cfg["stages"])
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    of = o.view(total, HV, V)
+    _chunk_output[(slots, HV, triton.cdiv(V, cfg["BV_OUT"]) if BVF > cfg["BV_OUT"] else 1)](
+        qf, of, chunks, Gs, A, hc, vn, qf.stride(0), qf.stride(1), of.stride(0), of.stride(1), HV, HV // HK, K, V,
+        scale, C=C, BK=BK, BV=min(BVF, cfg["BV_OUT"]), BVF=BVF, PER_CHANNEL=per_channel, L2=use_l2norm, PREC=prec,
+        num_warps=cfg["output_warps"], num_stages=cfg["stages"])
     return o, final
