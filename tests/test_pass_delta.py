@@ -50,10 +50,15 @@ def test_function_that_differs_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear"])
-def test_engine_greedy_equals_hf(name):
-    """The engine (compiled, hybrid::delta_rule in its graphs, state rows beside the paged caches) gives HF's
-    greedy tokens for two prompts of different lengths decoded together."""
+def test_engine_greedy_equals_hf(name, monkeypatch):
+    """The engine (compiled, hybrid::delta_rule in its prefill graphs, the in-place hybrid::delta_rule_step in its
+    decode graphs, state rows beside the paged caches) gives HF's greedy tokens for two prompts of different
+    lengths decoded together."""
+    from passes import delta
     from runtime.engine import Engine
+    steps = []
+    real = delta._in_place_step
+    monkeypatch.setattr(delta, "_in_place_step", lambda g, c: steps.append(real(g, c)) or steps[-1])
     from runtime.engine.sequence import SamplingParams
     model = zoo.build(name)
     model.generation_config.eos_token_id = None  # the engine below ignores EOS: so must HF
@@ -64,3 +69,4 @@ def test_engine_greedy_equals_hf(name):
                 for p in prompts]
     out = Engine(zoo.build(name)).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in out] == want
+    assert True in steps and False in steps  # decode graphs rewritten in place; prefill graphs (no state) not
