@@ -82,7 +82,7 @@ def repeat_heads(q, k, HK, HV):
     return (q, k) if HK == HV else tuple(x.repeat_interleave(HV // HK, dim=2).contiguous() for x in (q, k))
 
 
-def prefill_rows(lengths, fla, dev):
+def prefill_rows(lengths, fla, dev, save=lambda rows: None):
     from kernels.delta.triton_chunk import delta_rule_chunk_triton
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
@@ -120,6 +120,7 @@ def prefill_rows(lengths, fla, dev):
                 traceback.print_exc()
             log("prefill", row)
             rows.append(row)
+            save(rows)  # a run cut short keeps the rows it measured
             torch.cuda.empty_cache()
     return rows
 
@@ -227,8 +228,7 @@ def main():
     dev = "cuda"
     fla = fla_fns()
     lengths, batches = ([256], [2]) if args.smoke else ([4096, 16384, 32768], [1, 64, 256])
-    rows = prefill_rows(lengths, fla, dev)
-    write(args.out, "delta", rows, table_md(rows))
+    rows = prefill_rows(lengths, fla, dev, lambda done: write(args.out, "delta", done, table_md(done)))
     rows += decode_rows(batches, fla, dev)
     write(args.out, "delta", rows, table_md(rows))
     sweep = decode_sweep(dev)
