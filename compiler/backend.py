@@ -45,6 +45,8 @@ def hybrid_backend(gm: fx.GraphModule, example_inputs: list, options: dict | Non
         counts = run_pipeline(ctx, opts.passes)
         gm.recompile()
         results, notes, retrace = ctx.results, list(ctx.notes), (ctx.retrace, ctx.before_retrace)
+        if ctx.retrace:  # this graph runs once, then the model retraces
+            results = [dataclasses.replace(r, provisional=True) for r in results]
     except CONTROL_FLOW:
         raise
     except Exception as e:  # noqa: BLE001  (a bug of ours: the graph as dynamo traced it)

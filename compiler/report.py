@@ -31,13 +31,15 @@ class Report:
     ids: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def regions(self) -> list[dict]:
-        """One entry per module: the worst status over the graphs it appeared in, with that graph's reason."""
+        """One entry per module: the worst status over the graphs it appeared in, with that graph's reason. Graphs that
+        ran once before a retrace (``provisional``) count only where the module appears in no other graph."""
         by_module: dict[str, list[RegionResult]] = {}
         for r in self.results:
             by_module.setdefault(r.module, []).append(r)
         out = []
         for module, rs in by_module.items():
-            worst = min(rs, key=lambda r: _RANK[r.status])
+            lasting = [r for r in rs if not r.provisional] or rs
+            worst = min(lasting, key=lambda r: _RANK[r.status])
             out.append(dict(kind=worst.kind, module=module, cls=worst.cls, status=worst.status,
                             reason=worst.reason, graphs={str(r.graph): r.status for r in rs}))
         return out

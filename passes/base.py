@@ -62,6 +62,9 @@ class RegionResult:
     status: str
     reason: str
     graph: int
+    #: the graph's compiled code is dropped after its first run (a preparation change retraces the model), so this
+    #: result describes a graph that runs once
+    provisional: bool = False
 
 
 @dataclass
