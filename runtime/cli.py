@@ -29,7 +29,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 EXPECTED = (ValueError, KeyError, OSError)
 #: the pass names ``--disable`` takes (passes.PASS_NAMES, written out so that parsing flags imports no kernels;
 #: tests/test_cli_errors.py checks the two agree)
-PASSES = ("mla", "mla_step", "ssm", "moe", "complex", "linear", "norm", "glu")
+PASSES = ("mla", "mla_step", "ssm", "delta", "moe", "complex", "linear", "norm", "glu")
 #: the flags that set SamplingParams fields (their checks are SamplingParams')
 SAMPLING_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
                   "top_p": "--top-p", "seed": "--seed"}
