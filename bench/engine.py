@@ -191,6 +191,7 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                         tag(f"{name}: engine ({args.compile}), cache {args.cache_mb} MB")
                         engine = Engine(model, cache_memory=args.cache_mb << 20, max_num_seqs=max(args.batches),
                                         max_prefill_tokens=max(args.prompt, 512), compile=args.compile,
+                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                         freeze_weights=args.freeze_weights,
                                         compile_options=parse_options(args.compile_options))
                     tag(f"{name} {variant} B={b}: warm-up (compiles, records graphs)")
@@ -266,6 +267,8 @@ def main() -> int:
     ap.add_argument("--eager-output", type=int, default=32)
     ap.add_argument("--cache-mb", type=int, default=4096)
     ap.add_argument("--compile", default="hybrid-cudagraphs")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="padded tokens of a prefill step of several prompts (the engine's default: 8192)")
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
     ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
     ap.add_argument("--compile-options", default="",

@@ -165,6 +165,7 @@ def cmd_generate(args) -> int:
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                     allow_missing_weights=args.allow_missing_weights,
                                     trust_remote_code=args.trust_remote_code)
     live = sys.stderr.isatty() and not args.json
@@ -216,6 +217,7 @@ def cmd_serve(args) -> int:
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_num_seqs=args.max_num_seqs, allow_missing_weights=args.allow_missing_weights,
                                     trust_remote_code=args.trust_remote_code)
     name = args.served_model_name or args.model
@@ -340,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="auto: hybrid-cudagraphs on cuda (decode steps as CUDA graphs), hybrid-eager on cpu")
     engine_flags.add_argument("--cache-mb", type=_int_at_least(1),
                               help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
+    engine_flags.add_argument("--max-num-batched-tokens", type=_int_at_least(1),
+                              help="padded tokens of a prefill step that starts several prompts (default 8192)")
 
     g = sub.add_parser("generate", parents=[debug, loading, engine_flags],
                        help="generate with the continuous-batching engine (paged caches, SSM slots)")

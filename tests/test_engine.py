@@ -42,6 +42,46 @@ def test_greedy_matches_hf_generate_with_arrivals(name):
         assert engine.output(rid).token_ids == hf_greedy(name, prompt, 6), (name, prompt)
 
 
+def _prefill_sizes(engine) -> list[int]:
+    """Record the number of sequences of every prefill step the engine launches from now on."""
+    sizes, launch = [], engine.runner.launch
+
+    def recording(step, ahead=None):
+        if step.kind == "prefill":
+            sizes.append(len(step.seqs))
+        return launch(step, ahead)
+    engine.runner.launch = recording
+    return sizes
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gpt_oss", "mixtral"])
+def test_fresh_prompts_prefill_together(name):
+    """Prompts of different lengths arriving together prefill in one step, left-padded to the longest (gpt_oss:
+    sliding windows and sinks over the padded rows; deepseek_v3: MLA), and a second call whose budget holds two rows
+    of its longest prompt splits them over steps; greedy tokens equal HF's either way. A model with SSM layers
+    prefills one prompt per step and says why."""
+    prompts = [list(range(5, 5 + n)) for n in (7, 9, 12, 5, 10)]
+    want = [hf_greedy(name, p, 4) for p in prompts]
+    engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4)
+    assert engine.prefill_batch_note is None
+    sizes = _prefill_sizes(engine)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
+    assert sizes == [5]
+    engine.scheduler.max_num_batched_tokens = 24
+    sizes.clear()
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
+    assert sizes == [2, 2, 1]  # 7 + 9 (2 x 9 padded), 12 + 5 (2 x 12), 10: a third row would pass 24 tokens
+    torch._dynamo.reset()  # a later test of the same class records its own compiles
+    if name == "llama":
+        ssm = Engine(zoo.build("bamba"), compile=None)
+        assert ssm.prefill_batch_note == "state layers: one prompt per prefill step"
+        sizes = _prefill_sizes(ssm)
+        ssm.generate(prompts[:3], SamplingParams(max_tokens=2))
+        assert sizes == [1, 1, 1]
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            Engine(zoo.build(name), max_num_batched_tokens=0)
+
+
 @pytest.mark.parametrize("name", ["llama", "deepseek_v2", "mamba2", "bamba"])
 def test_bucketed_decode_padding_rows_change_nothing(name):
     """CUDA-graph decode layout on the CPU: 3 sequences padded to a batch of 4 (padding rows attend to the

@@ -57,7 +57,7 @@ def assert_idle(engine: Engine) -> None:
         assert engine.slots.num_used == 0
 
 
-def poison(engine: Engine, when=lambda ids: POISON in ids.tolist()[0], error=RuntimeError("poisoned step")):
+def poison(engine: Engine, when=lambda ids: POISON in ids.view(-1).tolist(), error=RuntimeError("poisoned step")):
     """Make the model raise ``error`` on the steps whose input ids [B, T] satisfy ``when``."""
     real = engine.runner.forward
 

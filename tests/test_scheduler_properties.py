@@ -15,12 +15,16 @@ from runtime.engine.sequence import SamplingParams, Sequence, Status
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 14), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 4),
                 max_prefill_tokens=st.integers(1, 6), kind=st.sampled_from(["attention", "ssm", "hybrid"]),
-                chunked=st.booleans())
-    def setup(self, num_blocks, block_size, max_num_seqs, max_prefill_tokens, kind, chunked):
+                chunked=st.booleans(), batched_tokens=st.integers(1, 16), batch_prefill=st.booleans())
+    def setup(self, num_blocks, block_size, max_num_seqs, max_prefill_tokens, kind, chunked, batched_tokens,
+              batch_prefill):
         self.blocks = BlockAllocator(num_blocks, block_size) if kind != "ssm" else None
         self.slots = SlotAllocator(max_num_seqs) if kind != "attention" else None
+        # several prompts per prefill step: attention-only models (as the Engine decides)
         self.sched = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
-                               max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked)
+                               max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked,
+                               max_num_batched_tokens=batched_tokens,
+                               max_prefill_seqs=max_num_seqs if batch_prefill and kind == "attention" else 1)
         self.seqs: list[Sequence] = []
         self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
 
@@ -41,6 +45,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         step = sched.schedule() or (sched.schedule() if sched.has_work() else None)  # as Engine._schedule
         assert step is not None or not sched.has_work(), "work left but nothing schedulable: the engine would spin"
         if step is not None:
+            self._run(step)
+
+    @rule()
+    def prefill_fails(self):
+        """A step that raises (Engine.step): a prefill of several goes back to the queue to run one per step."""
+        step = self.sched.schedule()
+        if step is not None and step.kind == "prefill" and len(step.seqs) > 1:
+            self.sched.retry_alone(step.seqs)
+            assert all(s.status is Status.WAITING and not s.blocks for s in step.seqs)
+            assert list(self.sched.waiting)[:len(step.seqs)] == step.seqs
+        elif step is not None:
             self._run(step)
 
     @precondition(lambda self: any(s.status is not Status.FINISHED for s in self.seqs))
@@ -68,6 +83,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.rows[dst] = self.rows.pop(src)
         if step.kind == "decode" and self.slots is not None:
             assert [s.state_slot for s in step.seqs] == list(range(len(step.seqs)))
+        if step.kind == "prefill" and len(step.seqs) > 1:  # fresh prompts within the budget, padding at most half
+            assert len(step.seqs) <= self.sched.max_prefill_seqs and not any(s.num_cached for s in step.seqs)
+            padded = max(step.num_tokens) * len(step.seqs)
+            assert padded <= self.sched.max_num_batched_tokens and padded <= 2 * sum(step.num_tokens)
         for seq, n in zip(step.seqs, step.num_tokens):
             assert seq.status is Status.RUNNING and n >= 1
             assert n == 1 if step.kind == "decode" else seq.num_uncached >= n

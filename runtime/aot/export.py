@@ -89,6 +89,7 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
     chunk = max(8, min(max_prefill_tokens, max_seq_len // 2))
     engine = Engine(model, tokenizer=tokenizer, compile=None, cache_memory=64 << 20, block_size=block_size,
                     max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda")
+    engine.scheduler.max_prefill_seqs = 1  # a loaded directory prefills one prompt per step: its programs take one
     cap = Capture(engine, compile_options, progress).install()
     runs = _workload(engine, block_size, chunk, max_seq_len)
     for _ in range(4):  # the workload, then requests for what its programs left out, while they add programs

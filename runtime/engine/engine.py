@@ -27,6 +27,8 @@ from .sequence import (RequestOutput, SamplingParams, Sequence, Status, TokenEve
                        token_ids)
 
 DEFAULT_CPU_BUDGET = 256 << 20
+#: padded tokens of one prefill step of several prompts, unless ``max_num_batched_tokens`` says otherwise
+DEFAULT_BATCHED_TOKENS = 8192
 COMPILE_MODES = ("auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", None, "none")
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,8 @@ def check_options(opts: dict) -> None:
     is built; unknown names are a TypeError."""
     for name, value in opts.items():
         where = f"Engine: {name}"
-        if name in ("block_size", "max_num_seqs", "max_prefill_tokens", "cache_memory"):
-            if value is not None or name != "cache_memory":  # cache_memory None: the default budget
+        if name in ("block_size", "max_num_seqs", "max_prefill_tokens", "cache_memory", "max_num_batched_tokens"):
+            if value is not None or name not in ("cache_memory", "max_num_batched_tokens"):  # None: the default
                 check_int(where, value, 1)
         elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights"):
             check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode"))
@@ -69,14 +71,15 @@ def _exported_option(name: str, value, plan: dict):
 
 class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 32, max_prefill_tokens: int = 512, compile: str | None = "auto",
-                 bucket_decode: bool | None = None, paged_decode: bool | None = None, overlap: bool = True,
-                 freeze_weights: bool = False, compile_options: dict | None = None):
+                 max_num_seqs: int = 32, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
+                 compile: str | None = "auto", bucket_decode: bool | None = None, paged_decode: bool | None = None,
+                 overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None):
         if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
             raise TypeError(f"Engine: model must be a Hugging Face causal LM (a torch.nn.Module with a .config), got "
                             f"{type(model).__name__}; for a zoo name or a model directory use Engine.from_pretrained")
         check_options(dict(cache_memory=cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_prefill_tokens=max_prefill_tokens, compile=compile, bucket_decode=bucket_decode,
+                           max_prefill_tokens=max_prefill_tokens, max_num_batched_tokens=max_num_batched_tokens,
+                           compile=compile, bucket_decode=bucket_decode,
                            paged_decode=paged_decode, overlap=overlap, freeze_weights=freeze_weights,
                            compile_options=compile_options))
         self.model = model.eval()
@@ -139,8 +142,16 @@ class Engine:
                                 contiguous=bool(own))
         self.blocks = BlockAllocator(num_blocks, block_size) if has_attn else None
         self.slots = SlotAllocator(max_num_seqs) if has_ssm else None
+        # several prompts per prefill step (left-padded rows) where every cached layer is attention read through the
+        # engine's mask; state layers (SSM, delta rule) and engine directories (programs of one prompt) take one
+        self.prefill_batch_note = ("state layers: one prompt per prefill step" if has_ssm else
+                                   "attention of the model's own: one prompt per prefill step" if own else
+                                   "engine directory: one prompt per prefill step" if plan is not None else None)
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
-                                   max_prefill_tokens=max_prefill_tokens, chunked_prefill=self.prefill_note is None)
+                                   max_prefill_tokens=max_prefill_tokens, chunked_prefill=self.prefill_note is None,
+                                   max_num_batched_tokens=max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS,
+                                                                                        max_prefill_tokens),
+                                   max_prefill_seqs=max_num_seqs if self.prefill_batch_note is None else 1)
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,
                                   compile_options)
         self._seqs: dict[int, Sequence] = {}
@@ -355,6 +366,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001  (a failed step fails its requests, not the engine)
             if step is None:  # scheduling itself failed: no request to blame
                 raise
+            if step.kind == "prefill" and sum(s.status is Status.RUNNING for s in step.seqs) > 1:
+                return events + self._retry_alone(step, e)
             return events + self._fail(step, e)
         except BaseException:
             if step is not None:
@@ -406,6 +419,19 @@ class Engine:
                     message, [s.request_id for s in seqs])
         log.debug("the failed step's traceback", exc_info=error)
         return [self._end(seq, "error", message) for seq in seqs]
+
+    def _retry_alone(self, step: Step, error: Exception) -> list[TokenEvent]:
+        """A prefill of several prompts that raised: each prompt is prefilled again in a step of its own, where a
+        fault fails only the request it belongs to (``_fail``)."""
+        self._ahead = None
+        if step.moves:
+            self.scheduler.return_moves(step.moves)
+            step.moves = []
+        log.warning("hybrid engine: a prefill of %d prompts failed (%s); each is prefilled again alone",
+                    len(step.seqs), " ".join(f"{type(error).__name__}: {error}".split()))
+        log.debug("the failed step's traceback", exc_info=error)
+        self.scheduler.retry_alone(step.seqs)
+        return []
 
     def _end(self, seq: Sequence, reason: str, message: str | None = None) -> TokenEvent:
         seq.error = message

@@ -2,7 +2,9 @@
 positions, the step's cache maps and masks), runs the (compiled) model and samples.
 
 Decode batches are left-padded to the longest context, rounded up to a whole cache block; padding gathers
-the reserved block 0 and is masked out. Prefills run one sequence at a time, unpadded. With CUDA graphs
+the reserved block 0 and is masked out. A prefill of several sequences (fresh prompts of attention-only models,
+``Scheduler``) is left-padded the same way, its rows' queries to the longest chunk; a chunk continuing a prompt
+runs alone, unpadded. With CUDA graphs
 (``compile="hybrid-cudagraphs"``) a decode step's batch is padded to a bucket of ``DECODE_BUCKETS`` and its
 context width to a power of two, and the whole step (cache maps, masks, the compiled model) is recorded
 as one CUDA graph per (bucket, width), replayed after a single host-to-device copy of the step's inputs,
@@ -174,12 +176,12 @@ class ModelRunner:
         n, state_row = len(step.seqs), None
         if step.kind == "prefill":
             assert ahead is None, "only decode steps run ahead"
-            (seq,), (q_len,) = step.seqs, step.num_tokens
-            start = seq.num_cached
-            ids, positions = seq.tokens[start:start + q_len], list(range(start, start + q_len))
-            lengths, pad, rows = [start + q_len], 0, None
-            # a chunk after the first continues from the sequence's state row (SSM layers)
-            state_row = seq.state_slot if start and self.cache.states else None
+            ids, positions, lengths, q_len = self._prefill_rows(step)
+            pad, rows = 0, None
+            # a chunk after the first continues from the sequence's state row (SSM layers: one sequence per step)
+            start = step.seqs[0].num_cached
+            state_row = step.seqs[0].state_slot if start and self.cache.states else None
+            assert len(step.seqs) == 1 or not (self.cache.states or start), "only fresh attention prefills batch"
         else:
             shift = 0 if ahead is None else 1
             pad = decode_bucket(n) - n if self.bucket_decode else 0
@@ -187,7 +189,7 @@ class ModelRunner:
             if self.cache.states:
                 slots = [s.state_slot for s in step.seqs]
                 assert slots == list(range(n)), f"decode batch must be state rows 0..n-1, got {slots}"
-        batch = rows or 1
+        batch = rows or n
         width = self._width(step.kind, lengths) if self.cache.attention else 0
         greedy = None
         if step.kind == "decode" and self.graphs_enabled:
@@ -206,6 +208,20 @@ class ModelRunner:
             seq.num_cached += k
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
         return self._sample_async(Pending(step, done), logits, greedy)
+
+    @staticmethod
+    def _prefill_rows(step: Step) -> tuple[list[int], list[int], list[int], int]:
+        """(ids, positions, cached lengths after the step, query length) of a prefill. Rows are left-padded to the
+        longest chunk: a row's tokens are its last queries, padding queries take id 0 at position 0 and write to
+        the reserved block 0 (the step maps' padding keys)."""
+        q_len = max(step.num_tokens)
+        ids, positions, lengths = [], [], []
+        for seq, k in zip(step.seqs, step.num_tokens):
+            start, pad = seq.num_cached, q_len - k
+            ids += [0] * pad + seq.tokens[start:start + k]
+            positions += [0] * pad + list(range(start, start + k))
+            lengths.append(start + k)
+        return ids, positions, lengths, q_len
 
     @staticmethod
     def _decode_ids(step: Step, lengths: list[int], pad: int) -> tuple[list[int], list[int]]:
@@ -383,7 +399,10 @@ class ModelRunner:
         mask = keep[:, None, None, :]
         if kind == "prefill":  # query i sits at key index width - q_len + i: causal within the step's tokens
             q_idx = torch.arange(width - q_len, width, device=self.device)[:, None]
-            mask = mask & (torch.arange(width, device=self.device)[None, :] <= q_idx)[None, None]
+            keys = torch.arange(width, device=self.device)[None, :]
+            # a padding query of a batched prefill (left of a shorter row's tokens) sees its own key, so that no
+            # softmax row is empty (NaN); nothing reads its output
+            mask = (mask & (keys <= q_idx)[None, None]) | (keys == q_idx)[None, None]
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra

@@ -1,8 +1,11 @@
 """Continuous batching, plain Python: which sequences run in the next model step.
 
-Each step is either a prefill (one sequence: its uncached tokens, in chunks when long and the model
-allows it) or a decode of every running sequence (one token each). A sequence whose prompt is only partly
-prefilled gets the next prefill step. Requests join between steps and leave
+Each step is either a prefill or a decode of every running sequence (one token each). A prefill starts
+waiting sequences, in arrival order, as many as fit in one step: each feeds its uncached tokens (its first
+chunk when long and the model allows chunking), the rows padded to the longest, and the step's padded tokens
+stay within ``max_num_batched_tokens`` (the first row always goes; a row that would make padding more than
+half of the step waits for the next; one whose batched prefill failed prefills alone). A sequence whose
+prompt is only partly prefilled gets the next prefill step to itself (its chunk continues from its cache). Requests join between steps and leave
 when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
 its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
 so nothing is lost and no sequence ever writes into another's cache. A request ends (``finish``) when it
@@ -29,15 +32,21 @@ class Step:
 
 class Scheduler:
     def __init__(self, blocks: BlockAllocator | None, slots: SlotAllocator | None, *, max_num_seqs: int,
-                 max_prefill_tokens: int, chunked_prefill: bool):
+                 max_prefill_tokens: int, chunked_prefill: bool, max_num_batched_tokens: int | None = None,
+                 max_prefill_seqs: int = 1):
         self.blocks, self.slots = blocks, slots
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        #: padded tokens of a prefill step of several sequences; sequences per prefill step (1: one at a time)
+        self.max_num_batched_tokens = max_num_batched_tokens or max_prefill_tokens
+        self.max_prefill_seqs = max_prefill_seqs
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._moves: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        #: request ids that prefill alone: a prefill of several sequences that held them failed (``retry_alone``)
+        self.alone: set[int] = set()
 
     def check(self, seq: Sequence) -> None:
         """Refuse a request that could never run: alone in the cache it would not fit (so every request that
@@ -79,21 +88,35 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Step | None:
         partial = [s for s in self.running if s.num_uncached > 1]
-        if partial:
+        if partial:  # a prompt's next chunk, alone: it continues from what its cache holds
             seq = partial[0]
-        elif self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-        else:
-            return None
-        n = self._chunk(seq)
-        if not self._reserve(seq, self._prefill_upto(seq)):
-            return None
-        if seq.status is Status.WAITING:
+            n = self._chunk(seq)
+            return Step("prefill", [seq], [n]) if self._reserve(seq, self._prefill_upto(seq)) else None
+        seqs, counts = [], []
+        for seq in list(self.waiting):  # arrival order: a request never overtakes an earlier one
+            if len(self.running) >= self.max_num_seqs or len(seqs) >= self.max_prefill_seqs:
+                break
+            n = self._chunk(seq)
+            if seqs and seq.request_id in self.alone:
+                break
+            if seqs:
+                padded = max(max(counts), n) * (len(seqs) + 1)
+                if padded > self.max_num_batched_tokens or padded > 2 * (sum(counts) + n):
+                    break
+            if not self._reserve(seq, self._prefill_upto(seq)):
+                break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._sort_running()
-        return Step("prefill", [seq], [n])
+            seqs.append(seq)
+            counts.append(n)
+            if seq.request_id in self.alone:
+                self.alone.discard(seq.request_id)
+                break
+        if not seqs:
+            return None
+        self._sort_running()
+        return Step("prefill", seqs, counts)
 
     def _schedule_decode(self) -> Step | None:
         batch = [s for s in self.running if s.num_uncached == 1]
@@ -174,10 +197,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def retry_alone(self, seqs: list[Sequence]) -> None:
+        """The sequences of a prefill of several that failed: back to the head of the queue in their order, their
+        blocks freed, each to prefill in a step of its own (so that one request's fault fails that request only)."""
+        for seq in reversed(seqs):
+            if seq.status is Status.RUNNING:
+                self._release(seq)
+                seq.num_cached = 0
+                seq.status = Status.WAITING
+                self.waiting.appendleft(seq)
+                self.alone.add(seq.request_id)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (running or waiting) for ``reason``: its blocks and state row are free at once."""
         if seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        self.alone.discard(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
