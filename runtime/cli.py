@@ -36,7 +36,8 @@ SAMPLING_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperatur
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under --tensor-parallel, rank 0 speaks for all
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _debug(args) -> bool:
@@ -152,6 +153,33 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def _launch_ranks(tp: int) -> int:
+    """``hybrid generate ... --tensor-parallel N`` outside torchrun: the same command on N ranks under torchrun
+    (one host), whose agent ends every rank when one fails."""
+    import subprocess
+    _say(f"starting {tp} ranks (torchrun --standalone --nproc-per-node {tp}) ...")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
+           "runtime.cli", *sys.argv[1:]]
+    return subprocess.run(cmd).returncode
+
+
+def _join_ranks(tp: int, device: str | None) -> str | None:
+    """This process's rank of a torchrun launch: its process group (NCCL on CUDA, gloo on the CPU) and its device."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    world = int(os.environ["WORLD_SIZE"])
+    if world != tp:
+        raise ValueError(f"--tensor-parallel {tp} under torchrun with {world} processes: give --nproc-per-node {tp}")
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    return f"cuda:{local}" if cuda else "cpu"
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -161,14 +189,20 @@ def cmd_generate(args) -> int:
         raise ValueError("give at least one --prompt or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)  # each flag was checked by its type (_sampling)
+    tp = args.tensor_parallel
+    if tp > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_ranks(tp)
+    device = _join_ranks(tp, args.device) if tp > 1 else args.device
     _say(f"loading {args.model} ...")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
+    engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, compile=args.compile, tensor_parallel=tp,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     allow_missing_weights=args.allow_missing_weights,
                                     trust_remote_code=args.trust_remote_code)
-    live = sys.stderr.isatty() and not args.json
+    live = sys.stderr.isatty() and not args.json and os.environ.get("RANK", "0") == "0"
+    if os.environ.get("RANK", "0") != "0":  # every rank computes the same outputs: rank 0 prints them
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the rest of this process)
 
     def progress(n, seconds):
         if live:
@@ -357,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_sampling("top_p", float), default=1.0)
     g.add_argument("--seed", type=_sampling("seed", int))
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
+    g.add_argument("--tensor-parallel", type=_int_at_least(1), default=1, metavar="N",
+                   help="split the model over N processes (torch.distributed; started with torchrun on this host)")
     g.set_defaults(fn=cmd_generate)
 
     sv = sub.add_parser("serve", parents=[debug, loading, engine_flags],

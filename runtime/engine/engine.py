@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from runtime import distributed
 from runtime.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
@@ -38,7 +39,8 @@ def check_options(opts: dict) -> None:
     is built; unknown names are a TypeError."""
     for name, value in opts.items():
         where = f"Engine: {name}"
-        if name in ("block_size", "max_num_seqs", "max_prefill_tokens", "cache_memory", "max_num_batched_tokens"):
+        if name in ("block_size", "max_num_seqs", "max_prefill_tokens", "cache_memory", "max_num_batched_tokens",
+                    "tensor_parallel"):
             if value is not None or name not in ("cache_memory", "max_num_batched_tokens"):  # None: the default
                 check_int(where, value, 1)
         elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights"):
@@ -73,7 +75,8 @@ class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
                  compile: str | None = "auto", bucket_decode: bool | None = None, paged_decode: bool | None = None,
-                 overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None):
+                 overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None,
+                 tensor_parallel: int = 1):
         if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
             raise TypeError(f"Engine: model must be a Hugging Face causal LM (a torch.nn.Module with a .config), got "
                             f"{type(model).__name__}; for a zoo name or a model directory use Engine.from_pretrained")
@@ -81,7 +84,7 @@ class Engine:
                            max_prefill_tokens=max_prefill_tokens, max_num_batched_tokens=max_num_batched_tokens,
                            compile=compile, bucket_decode=bucket_decode,
                            paged_decode=paged_decode, overlap=overlap, freeze_weights=freeze_weights,
-                           compile_options=compile_options))
+                           compile_options=compile_options, tensor_parallel=tensor_parallel))
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -91,6 +94,10 @@ class Engine:
         self.max_model_len = getattr(text_config, "max_position_embeddings", None)
         self.eos = self._eos_ids(model)
         plan = getattr(model, "engine_plan", None)  # an engine directory's model (runtime/aot): found at export
+        self.tp_group, self.shard_report = None, None
+        if tensor_parallel > 1 and plan is not None:
+            raise ValueError("Engine: tensor_parallel > 1 runs an HF model, not an engine directory (its programs "
+                             "hold the whole model)")
         if plan is not None:
             specs, self.prefill_note = plan["specs"], plan["prefill_note"]
             block_size, paged_decode = _exported_option("block_size", block_size, plan), \
@@ -103,6 +110,7 @@ class Engine:
             self.max_model_len = min(self.max_model_len or plan["max_seq_len"], plan["max_seq_len"])
         else:
             check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
+            self._shard(model, tensor_parallel)
             specs = discover_layers(model, cache_kwarg(model))
         has_attn = any(s.keys for s in specs)
         has_ssm = any(s.states for s in specs)
@@ -125,6 +133,8 @@ class Engine:
         # padding rows of a bucketed decode step need SSM state rows of their own
         state_rows = (decode_bucket(max_num_seqs) if bucket_decode else max_num_seqs) if has_ssm else 0
         num_blocks = self._plan_memory(specs, cache_memory, block_size, state_rows)
+        if self.tp_group is not None:  # every rank schedules alike only with the same cache
+            num_blocks = distributed.min_over_ranks(num_blocks, self.tp_group)
         mla = hasattr(text_config, "kv_lora_rank")
         if plan is not None:
             own = plan["own_attention"]
@@ -164,6 +174,15 @@ class Engine:
         self._inbox: dict[int, list[TokenEvent]] = {}
 
     # -- construction ---------------------------------------------------------------------------------
+    def _shard(self, model, tensor_parallel: int) -> None:
+        """Split the model over ``tensor_parallel`` ranks (runtime/distributed): every rank builds the same Engine
+        over its shard, schedules the same steps and samples the same tokens (rank 0's, where they are random)."""
+        if tensor_parallel == 1:
+            return
+        self.tp_group = distributed.check_group(tensor_parallel)
+        self.shard_report = distributed.shard_model(model, self.tp_group)
+        log.info("hybrid engine: %s", self.shard_report.summary())
+
     @classmethod
     def from_engine(cls, path, *, device: str | None = None, dtype: torch.dtype | None = None, **kwargs) -> "Engine":
         """An engine directory written by ``hybrid export`` (runtime/aot): its exported programs run without tracing
@@ -362,7 +381,10 @@ class Engine:
             if self.overlap and self._repeats(step, pending):
                 nxt = Step("decode", list(step.seqs), [1] * len(step.seqs))
                 self._ahead = (nxt, self.runner.launch(nxt, ahead=pending))
-            self._record(step, self.runner.finish(pending), events)
+            tokens = self.runner.finish(pending)
+            if self.tp_group is not None and any(s.params.temperature != 0.0 for s in step.seqs):
+                tokens = distributed.agree(tokens, self.tp_group)  # rank 0's samples: the ranks' RNGs may differ
+            self._record(step, tokens, events)
         except Exception as e:  # noqa: BLE001  (a failed step fails its requests, not the engine)
             if step is None:  # scheduling itself failed: no request to blame
                 raise

@@ -1,0 +1,304 @@
+"""Tensor parallelism over ``torch.distributed``: an HF model's weights sharded in place over the ranks of a process
+group, one all-reduce per attention and per MLP / MoE block.
+
+Every rank holds the whole model first (it built or loaded it); ``shard_model`` keeps the rank's share:
+- attention with HF's q/k/v/o projections: query and key/value heads split evenly (q/k/v output rows with their
+  biases, o_proj input columns, o_proj's bias on rank 0 only, learned sinks by head); MLA (DeepSeek): q_proj or
+  q_b_proj and kv_b_proj split by head, the latent projection and its norm replicated, so that every rank caches the
+  whole latent and the engine's latent cache is replicated.
+- dense MLPs (gate / up / down projections): the intermediate width split.
+- MoE blocks (``graphs.modules.classify``): the router replicated, so every rank routes every token alike; each
+  expert's intermediate width split (fused [E, 2I, H] or [E, H, 2I] gate-up weights with gate and up as halves or
+  interleaved, per-expert MLP modules), shared experts split, a shared expert's gate replicated.
+- SSM and delta-rule mixers: replicated (every rank runs the whole mixer and keeps its whole state).
+The sharded module's output is then a partial sum: the module is wrapped in ``AllReduced``, which sums it over the
+group with a functional collective (dynamo traces it; the region passes see the inner module whole and prove their
+rewrites on its partial outputs). Embeddings, norms and the LM head are replicated.
+
+Nothing is sharded on faith. Each MLP and MoE block is probed before and after: the all-reduced output of the shards
+on a random input must equal the whole block's, or the block stays replicated (an expert layout tried in turn); a
+module of none of these shapes stays replicated too. At the end the whole model is probed on a short prompt; logits
+that differ from the unsharded model's refuse the model (``TensorParallelError``). ``ShardReport`` lists what was split
+and what was kept whole, and why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: relative tolerance of the probes, by the model's dtype (sums in another order than the unsharded model's)
+PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+class TensorParallelError(ValueError):
+    """A model that tensor parallelism cannot run exactly (the message names what and why)."""
+
+
+@dataclass
+class ShardReport:
+    world: int
+    split: list[str] = field(default_factory=list)     # "path: what"
+    replicated: list[str] = field(default_factory=list)  # "path: why"
+
+    def summary(self) -> str:
+        return (f"tensor parallel over {self.world} ranks: {len(self.split)} modules split, "
+                f"{len(self.replicated)} replicated")
+
+
+def all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+    return funcol.all_reduce(t, "sum", group)
+
+
+class AllReduced(nn.Module):
+    """``inner`` (a sharded attention, MLP or MoE block) with its output summed over ``group``; for a tuple output,
+    its first element (HF attention returns (output, weights), some MoE blocks (output, router logits))."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (all_reduce(out[0], self.group), *out[1:])
+        return all_reduce(out, self.group)
+
+
+# -- slicing ------------------------------------------------------------------------------------------------------
+def _rows(lin: nn.Linear, idx: torch.Tensor) -> None:
+    lin.weight = nn.Parameter(lin.weight.data[idx].clone(), requires_grad=False)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(lin.bias.data[idx].clone(), requires_grad=False)
+    lin.out_features = len(idx)
+
+
+def _cols(lin: nn.Linear, idx: torch.Tensor, rank: int) -> None:
+    lin.weight = nn.Parameter(lin.weight.data[:, idx].clone(), requires_grad=False)
+    if lin.bias is not None and rank != 0:  # a row-parallel bias is added once, by rank 0
+        lin.bias = nn.Parameter(torch.zeros_like(lin.bias.data), requires_grad=False)
+    lin.in_features = len(idx)
+
+
+def _share(n: int, rank: int, world: int, unit: int = 1) -> torch.Tensor:
+    """Indices of rank's contiguous share of n // unit units of ``unit`` elements."""
+    per = n // unit // world
+    return torch.arange(rank * per * unit, (rank + 1) * per * unit)
+
+
+def _linear(m: nn.Module, name: str) -> nn.Linear | None:
+    child = getattr(m, name, None)
+    return child if isinstance(child, nn.Linear) else None
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+def _attention_plan(m: nn.Module, world: int) -> tuple[str | None, str]:
+    """("mha" | "mla" | None, why not) for a module with HF's attention projections."""
+    o = _linear(m, "o_proj")
+    if o is None:
+        return None, ""
+    if _linear(m, "kv_b_proj") is not None and (_linear(m, "q_proj") or _linear(m, "q_b_proj")):
+        heads = getattr(m, "num_heads", None)
+        if not isinstance(heads, int):
+            return None, "an MLA attention without num_heads"
+        return ("mla", "") if heads % world == 0 else (None, f"{heads} heads do not split over {world} ranks")
+    q, k, v = (_linear(m, n) for n in ("q_proj", "k_proj", "v_proj"))
+    hd = getattr(m, "head_dim", None)
+    if q is None or k is None or v is None or not isinstance(hd, int):
+        return None, "attention projections other than q/k/v/o_proj with a head_dim"
+    heads, kv = q.out_features // hd, k.out_features // hd
+    if heads * hd != q.out_features or kv * hd != k.out_features or v.out_features % kv:
+        return None, "projection widths that are not whole heads"
+    if heads % world or kv % world:
+        return None, f"{heads} query / {kv} key-value heads do not split over {world} ranks"
+    return "mha", ""
+
+
+def _shard_attention(m: nn.Module, kind: str, rank: int, world: int) -> str:
+    if kind == "mla":
+        heads = m.num_heads
+        q = _linear(m, "q_proj") or _linear(m, "q_b_proj")
+        _rows(q, _share(q.out_features, rank, world, q.out_features // heads))
+        kvb = m.kv_b_proj
+        _rows(kvb, _share(kvb.out_features, rank, world, kvb.out_features // heads))
+        _cols(m.o_proj, _share(m.o_proj.in_features, rank, world, m.o_proj.in_features // heads), rank)
+        m.num_heads = heads // world
+        return f"MLA, {heads // world} of {heads} heads per rank (latent replicated)"
+    hd = m.head_dim
+    heads, kv = m.q_proj.out_features // hd, m.k_proj.out_features // hd
+    _rows(m.q_proj, _share(m.q_proj.out_features, rank, world, hd))
+    for lin in (m.k_proj, m.v_proj):
+        _rows(lin, _share(lin.out_features, rank, world, lin.out_features // kv))
+    _cols(m.o_proj, _share(m.o_proj.in_features, rank, world, m.o_proj.in_features // heads), rank)
+    sinks = getattr(m, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and sinks.shape[0] == heads:
+        m.sinks = nn.Parameter(sinks.data[_share(heads, rank, world)].clone(), requires_grad=False)
+    for attr, n in (("num_heads", heads), ("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if isinstance(getattr(m, attr, None), int):
+            setattr(m, attr, n // world)
+    return f"{heads // world} of {heads} query heads, {kv // world} of {kv} key-value heads per rank"
+
+
+# -- MLPs and experts ---------------------------------------------------------------------------------------------
+def _is_mlp(m: nn.Module) -> bool:
+    return all(_linear(m, n) is not None for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _shard_mlp(m: nn.Module, rank: int, world: int) -> str:
+    width = m.gate_proj.out_features
+    if width % world or m.up_proj.out_features != width:
+        raise ValueError(f"intermediate width {width} does not split over {world} ranks")
+    idx = _share(width, rank, world)
+    _rows(m.gate_proj, idx)
+    _rows(m.up_proj, idx)
+    _cols(m.down_proj, idx, rank)
+    for attr in ("intermediate_size", "intermediate_dim"):
+        if getattr(m, attr, None) == width:
+            setattr(m, attr, width // world)
+    return f"intermediate {width // world} of {width} per rank"
+
+
+def _shard_fused_experts(m: nn.Module, layout: str, rank: int, world: int, hidden: int) -> str:
+    """Experts as parameters gate_up_proj [E, 2I, H] (or [E, H, 2I]) and down_proj [E, H, I] (or [E, I, H])."""
+    gu, down = m.gate_up_proj, m.down_proj
+    # F.linear's layout, down [E, H, I] with gate-up [E, 2I, H], or its transpose, down [E, I, H] with [E, H, 2I]
+    inner_last = down.shape[1] == hidden and gu.shape[2] == hidden
+    width = down.shape[2] if inner_last else down.shape[1]
+    gu_dim = 1 if inner_last else 2
+    if width % world or gu.shape[gu_dim] != 2 * width:
+        raise ValueError(f"expert width {width} does not split over {world} ranks")
+    own = _share(width, rank, world)
+    gu_idx = torch.cat([own, own + width]) if layout == "halves" else torch.stack([2 * own, 2 * own + 1], 1).view(-1)
+    m.gate_up_proj = nn.Parameter(gu.data.index_select(gu_dim, gu_idx).clone(), requires_grad=False)
+    bias = getattr(m, "gate_up_proj_bias", None)
+    if isinstance(bias, nn.Parameter):
+        m.gate_up_proj_bias = nn.Parameter(bias.data[:, gu_idx].clone(), requires_grad=False)
+    m.down_proj = nn.Parameter(down.data.index_select(2 if inner_last else 1, own).clone(), requires_grad=False)
+    bias = getattr(m, "down_proj_bias", None)
+    if isinstance(bias, nn.Parameter) and rank != 0:
+        m.down_proj_bias = nn.Parameter(torch.zeros_like(bias.data), requires_grad=False)
+    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if getattr(m, attr, None) == width:
+            setattr(m, attr, width // world)
+    return f"{gu.shape[0]} experts, intermediate {width // world} of {width} per rank ({layout} gate-up)"
+
+
+def _shard_moe(block: nn.Module, layout: str, rank: int, world: int, hidden: int) -> str:
+    """Every expert and shared expert of ``block`` (its router and gates untouched)."""
+    done = []
+    for name, m in block.named_modules():
+        if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and \
+                isinstance(getattr(m, "down_proj", None), nn.Parameter):
+            done.append(_shard_fused_experts(m, layout, rank, world, hidden))
+        elif _is_mlp(m):
+            done.append(f"{name}: {_shard_mlp(m, rank, world)}")
+    if not done:
+        raise ValueError("no experts of a known layout (gate_up_proj / down_proj parameters or gate/up/down MLPs)")
+    return "; ".join(done[:2]) + (f"; ... ({len(done)} parts)" if len(done) > 2 else "")
+
+
+# -- probes -------------------------------------------------------------------------------------------------------
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+def _probe_input(hidden: int, param: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)  # the same on every rank
+    return torch.randn(1, 5, hidden, generator=g).to(param.device, param.dtype)
+
+
+@torch.no_grad()
+def _try_block(block: nn.Module, shard, group, x: torch.Tensor, tol: float) -> tuple[nn.Module | None, str]:
+    """Shard a copy of ``block`` with ``shard(copy)`` and wrap it; (the wrapped copy, what) when the all-reduced
+    output of the shards equals the block's on ``x``, else (None, why)."""
+    import copy
+    ref = _first(block(x))
+    trial = copy.deepcopy(block)
+    try:
+        what = shard(trial)
+    except ValueError as e:
+        return None, str(e)
+    wrapped = AllReduced(trial, group)
+    try:
+        err = _rel_err(_first(wrapped(x)), ref)
+    except Exception as e:  # noqa: BLE001  (the module's code assumes widths the shards no longer have)
+        return None, f"the sharded block fails: {type(e).__name__}: {str(e)[:120]}"
+    return (wrapped, what) if err <= tol else (None, f"the shards' sum differs from the block by {err:.1e}")
+
+
+# -- the model ----------------------------------------------------------------------------------------------------
+def _set_child(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+@torch.no_grad()
+def shard_model(model: nn.Module, group=None) -> ShardReport:
+    """Shard ``model`` in place over ``group`` (default: the whole world), as the module docstring says; raises
+    ``TensorParallelError`` when the sharded model's logits on a probe prompt differ from the unsharded model's."""
+    from graphs.modules import DELTA, MOE, SSM, classify
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    report = ShardReport(world)
+    config = model.config.get_text_config()
+    hidden = config.hidden_size
+    param = next(model.parameters())
+    tol = PROBE_TOL.get(param.dtype, 1e-4)
+    vocab = config.vocab_size
+    prompt = (torch.arange(7, device=param.device)[None] * 37 + 3) % vocab
+    want = model(prompt, use_cache=False).logits
+    x = _probe_input(hidden, param)
+    taken: list[str] = []
+    for path, m in list(model.named_modules()):
+        if not path or any(path.startswith(t + ".") for t in taken):
+            continue
+        if classify(m) == MOE:
+            taken.append(path)
+            why = ""
+            for layout in ("halves", "interleaved"):
+                wrapped, what = _try_block(m, lambda b, lay=layout: _shard_moe(b, lay, rank, world, hidden), group,
+                                           x, tol)
+                if wrapped is not None:
+                    _set_child(model, path, wrapped)
+                    report.split.append(f"{path}: MoE, {what}")
+                    break
+                why = why or what
+            else:
+                report.replicated.append(f"{path}: MoE block kept whole ({why})")
+            continue
+        if classify(m) in (SSM, DELTA):
+            taken.append(path)
+            report.replicated.append(f"{path}: {classify(m)} mixer kept whole (its heads are not split yet)")
+            continue
+        kind, why = _attention_plan(m, world)
+        if kind is not None:
+            taken.append(path)
+            what = _shard_attention(m, kind, rank, world)
+            _set_child(model, path, AllReduced(m, group))
+            report.split.append(f"{path}: attention, {what}")
+        elif why:
+            taken.append(path)
+            report.replicated.append(f"{path}: attention kept whole ({why})")
+        elif _is_mlp(m):
+            taken.append(path)
+            wrapped, what = _try_block(m, lambda b: _shard_mlp(b, rank, world), group, x, tol)
+            if wrapped is not None:
+                _set_child(model, path, wrapped)
+                report.split.append(f"{path}: MLP, {what}")
+            else:
+                report.replicated.append(f"{path}: MLP kept whole ({what})")
+    got = model(prompt, use_cache=False).logits
+    err = _rel_err(got, want)
+    if not err <= tol:
+        raise TensorParallelError(f"tensor_parallel={world}: {type(model).__name__}'s sharded logits differ from the "
+                                  f"whole model's by {err:.1e} on a probe prompt (what was split: "
+                                  f"{'; '.join(report.split[:3])}...); run it with tensor_parallel=1")
+    return report
