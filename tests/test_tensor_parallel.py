@@ -54,11 +54,14 @@ def _worker(rank: int, port: int, out_dir: str):
     from runtime.distributed import tensor_parallel as tp
     result = {}
     torch.manual_seed(rank)  # the ranks' RNGs differ: sampled tokens must still agree
+    from compiler.report import collect
     for name, compile in FAMILIES:
-        engine = Engine(zoo.build(name), compile=compile, tensor_parallel=2)
-        outs = engine.generate(PROMPTS, _params())
+        with collect() as report:
+            engine = Engine(zoo.build(name), compile=compile, tensor_parallel=2)
+            outs = engine.generate(PROMPTS, _params())
         result[name] = {"tokens": [o.token_ids for o in outs], "split": engine.shard_report.split,
-                        "replicated": engine.shard_report.replicated}
+                        "replicated": engine.shard_report.replicated,
+                        "rewritten": sorted({r.kind for r in report.results if r.status == "rewritten"})}
         torch._dynamo.reset()
     torch.manual_seed(0)
     block = Broken()
@@ -90,6 +93,8 @@ def test_two_ranks_give_the_single_process_tokens(ranks, name, compile):
         assert any("ssm mixer kept whole" in s for s in r0["replicated"]), r0
     if name in ("mixtral", "gpt_oss", "deepseek_v3"):
         assert any(": MoE," in s for s in r0["split"]), r0
+    if compile is not None:  # hybrid's region passes rewrite the sharded blocks (proven on their partial sums)
+        assert r0["rewritten"] == {"mixtral": ["moe"], "deepseek_v3": ["mla", "moe"]}[name], r0
     if name == "gpt_oss":
         assert any("interleaved gate-up" in s for s in r0["split"]), r0
 
