@@ -196,6 +196,7 @@ def cmd_generate(args) -> int:
     _say(f"loading {args.model} ...")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, compile=args.compile, tensor_parallel=tp,
+                                    expert_parallel=args.expert_parallel,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     allow_missing_weights=args.allow_missing_weights,
@@ -393,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
     g.add_argument("--tensor-parallel", type=_int_at_least(1), default=1, metavar="N",
                    help="split the model over N processes (torch.distributed; started with torchrun on this host)")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel: split MoE experts over the ranks by expert, not by width")
     g.set_defaults(fn=cmd_generate)
 
     sv = sub.add_parser("serve", parents=[debug, loading, engine_flags],

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: two processes over gloo, each an Engine over its shard (runtime/distributed). Greedy
 tokens equal the single-process engine's for dense, MoE (Mixtral; gpt_oss: sinks, biases, interleaved gate-up), MLA +
-MoE (DeepSeek-V3, through hybrid's passes) and Mamba2 + attention (Bamba: mixers replicated) families; both ranks
+MoE (DeepSeek-V3, through hybrid's passes) and Mamba2 + attention (Bamba: mixers replicated) families, and with
+experts split by index (expert parallelism) where the experts allow it; both ranks
 produce the same tokens, sampled ones included; a block whose shards do not sum to it stays whole."""
 import json
 import os
@@ -19,6 +20,9 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 29)), [40, 41, 42]]
 #: (zoo name, compile mode): hybrid-eager runs hybrid's passes over the sharded modules
 FAMILIES = [("llama", None), ("mixtral", "hybrid-eager"), ("gpt_oss", None), ("deepseek_v3", "hybrid-eager"),
             ("bamba", None)]
+#: expert parallelism: experts split by index (qwen3_moe, deepseek_v3); mixtral's 5 experts and gpt_oss's own expert
+#: loop fall back to the width split, saying why
+EP_FAMILIES = [("qwen3_moe", None), ("deepseek_v3", "hybrid-eager"), ("mixtral", None), ("gpt_oss", None)]
 
 
 def _params():
@@ -63,6 +67,11 @@ def _worker(rank: int, port: int, out_dir: str):
                         "replicated": engine.shard_report.replicated,
                         "rewritten": sorted({r.kind for r in report.results if r.status == "rewritten"})}
         torch._dynamo.reset()
+    for name, compile in EP_FAMILIES:
+        engine = Engine(zoo.build(name), compile=compile, tensor_parallel=2, expert_parallel=True)
+        outs = engine.generate(PROMPTS, _params())
+        result["ep:" + name] = {"tokens": [o.token_ids for o in outs], "split": engine.shard_report.split}
+        torch._dynamo.reset()
     torch.manual_seed(0)
     block = Broken()
     wrapped, why = tp._try_block(block, lambda b: tp._shard_mlp(b, rank, 2), dist.group.WORLD, torch.randn(1, 3, 8),
@@ -99,10 +108,31 @@ def test_two_ranks_give_the_single_process_tokens(ranks, name, compile):
         assert any("interleaved gate-up" in s for s in r0["split"]), r0
 
 
+@pytest.mark.parametrize("name,compile", EP_FAMILIES, ids=[f[0] for f in EP_FAMILIES])
+def test_expert_parallel_gives_the_single_process_tokens(ranks, name, compile):
+    engine = Engine(zoo.build(name), compile=compile)
+    want = [o.token_ids for o in engine.generate(PROMPTS[:2], SamplingParams(max_tokens=6))]
+    torch._dynamo.reset()
+    r0, r1 = ranks[0]["ep:" + name], ranks[1]["ep:" + name]
+    assert r0["tokens"][:2] == want and r0["tokens"] == r1["tokens"]
+    moe = [s for s in r0["split"] if ": MoE," in s]
+    assert moe, r0
+    if name in ("qwen3_moe", "deepseek_v3"):
+        assert all("experts 0-" in s and "on this rank" in s for s in moe), moe
+        assert all("experts 0-" not in s for s in r1["split"]), r1  # rank 1 holds the upper half
+    else:
+        assert all("experts by index failed" in s for s in moe), moe
+
+
 def test_a_block_whose_shards_do_not_sum_stays_whole(ranks):
     for r in ranks:
         kept, why = r["broken"]
         assert kept and "differs from the block" in why
+
+
+def test_expert_parallel_needs_tensor_parallel():
+    with pytest.raises(ValueError, match="expert_parallel=True splits experts over the tensor_parallel ranks"):
+        Engine(zoo.build("qwen3_moe"), compile=None, expert_parallel=True)
 
 
 def test_tensor_parallel_needs_a_process_group():

@@ -11,6 +11,9 @@ Every rank holds the whole model first (it built or loaded it); ``shard_model`` 
   expert's intermediate width split (fused [E, 2I, H] or [E, H, 2I] gate-up weights with gate and up as halves or
   interleaved, per-expert MLP modules), shared experts split, a shared expert's gate replicated.
 - SSM and delta-rule mixers: replicated (every rank runs the whole mixer and keeps its whole state).
+With ``expert_parallel`` a MoE block's routed experts are split by index instead (each rank holds E / N whole experts,
+``LocalExperts``; every rank still routes every token, as attention's heads are split and the tokens replicated, so
+the combine is the same all-reduce and no all-to-all is needed).
 The sharded module's output is then a partial sum: the module is wrapped in ``AllReduced``, which sums it over the
 group with a functional collective (dynamo traces it; the region passes see the inner module whole and prove their
 rewrites on its partial outputs). Embeddings, norms and the LM head are replicated.
@@ -187,12 +190,46 @@ def _shard_fused_experts(m: nn.Module, layout: str, rank: int, world: int, hidde
     return f"{gu.shape[0]} experts, intermediate {width // world} of {width} per rank ({layout} gate-up)"
 
 
+class LocalExperts(nn.Module):
+    """Expert parallelism: the experts [lo, hi) of a fused experts module (HF's ``forward(hidden, top_k_index,
+    top_k_weights)``). A route to another rank's expert becomes the index one past the local experts, which HF's
+    expert loop skips (its one-hot has ``num_experts + 1`` classes), with weight 0; the block's all-reduce adds the
+    other ranks' experts."""
+
+    def __init__(self, inner: nn.Module, lo: int, hi: int):
+        super().__init__()
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            p = getattr(inner, name, None)
+            if isinstance(p, nn.Parameter):  # an expert's biases belong to it: sliced with it, not zeroed
+                setattr(inner, name, nn.Parameter(p.data[lo:hi].clone(), requires_grad=False))
+        inner.num_experts = hi - lo
+        self.inner, self.lo, self.hi = inner, lo, hi
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        local = (top_k_index >= self.lo) & (top_k_index < self.hi)
+        index = torch.where(local, top_k_index - self.lo, torch.full_like(top_k_index, self.hi - self.lo))
+        weights = torch.where(local, top_k_weights, torch.zeros_like(top_k_weights))
+        return self.inner(hidden_states, index, weights, *args, **kwargs)
+
+
+def _fused_experts(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and \
+        isinstance(getattr(m, "down_proj", None), nn.Parameter)
+
+
 def _shard_moe(block: nn.Module, layout: str, rank: int, world: int, hidden: int) -> str:
-    """Every expert and shared expert of ``block`` (its router and gates untouched)."""
+    """Every expert and shared expert of ``block`` (its router and gates untouched). ``layout`` "experts": expert
+    parallelism (``LocalExperts``) for the routed experts, shared experts split by width."""
     done = []
-    for name, m in block.named_modules():
-        if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and \
-                isinstance(getattr(m, "down_proj", None), nn.Parameter):
+    for name, m in list(block.named_modules()):
+        if _fused_experts(m) and layout == "experts":
+            e = m.gate_up_proj.shape[0]
+            if e % world or not name:
+                raise ValueError(f"{e} experts do not split over {world} ranks")
+            lo, hi = rank * e // world, (rank + 1) * e // world
+            _set_child(block, name, LocalExperts(m, lo, hi))
+            done.append(f"experts {lo}-{hi - 1} of {e} on this rank")
+        elif _fused_experts(m):
             done.append(_shard_fused_experts(m, layout, rank, world, hidden))
         elif _is_mlp(m):
             done.append(f"{name}: {_shard_mlp(m, rank, world)}")
@@ -241,9 +278,11 @@ def _set_child(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, group=None) -> ShardReport:
-    """Shard ``model`` in place over ``group`` (default: the whole world), as the module docstring says; raises
-    ``TensorParallelError`` when the sharded model's logits on a probe prompt differ from the unsharded model's."""
+def shard_model(model: nn.Module, group=None, expert_parallel: bool = False) -> ShardReport:
+    """Shard ``model`` in place over ``group`` (default: the whole world), as the module docstring says; with
+    ``expert_parallel`` MoE blocks split their routed experts by index first (``LocalExperts``), by width where that
+    does not hold. Raises ``TensorParallelError`` when the sharded model's logits on a probe prompt differ from the
+    unsharded model's."""
     from graphs.modules import DELTA, MOE, SSM, classify
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -263,12 +302,13 @@ def shard_model(model: nn.Module, group=None) -> ShardReport:
         if classify(m) == MOE:
             taken.append(path)
             why = ""
-            for layout in ("halves", "interleaved"):
+            for layout in (("experts",) if expert_parallel else ()) + ("halves", "interleaved"):
                 wrapped, what = _try_block(m, lambda b, lay=layout: _shard_moe(b, lay, rank, world, hidden), group,
                                            x, tol)
                 if wrapped is not None:
                     _set_child(model, path, wrapped)
-                    report.split.append(f"{path}: MoE, {what}")
+                    report.split.append(f"{path}: MoE, {what}" + (" (width: experts by index failed: "
+                                                                   f"{why})" if why and expert_parallel else ""))
                     break
                 why = why or what
             else:

@@ -43,7 +43,7 @@ def check_options(opts: dict) -> None:
                     "tensor_parallel"):
             if value is not None or name not in ("cache_memory", "max_num_batched_tokens"):  # None: the default
                 check_int(where, value, 1)
-        elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights"):
+        elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights", "expert_parallel"):
             check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode"))
         elif name == "compile":
             if not isinstance(value, (str, type(None))) or value not in COMPILE_MODES:
@@ -76,7 +76,7 @@ class Engine:
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
                  compile: str | None = "auto", bucket_decode: bool | None = None, paged_decode: bool | None = None,
                  overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, expert_parallel: bool = False):
         if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
             raise TypeError(f"Engine: model must be a Hugging Face causal LM (a torch.nn.Module with a .config), got "
                             f"{type(model).__name__}; for a zoo name or a model directory use Engine.from_pretrained")
@@ -84,7 +84,8 @@ class Engine:
                            max_prefill_tokens=max_prefill_tokens, max_num_batched_tokens=max_num_batched_tokens,
                            compile=compile, bucket_decode=bucket_decode,
                            paged_decode=paged_decode, overlap=overlap, freeze_weights=freeze_weights,
-                           compile_options=compile_options, tensor_parallel=tensor_parallel))
+                           compile_options=compile_options, tensor_parallel=tensor_parallel,
+                           expert_parallel=expert_parallel))
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -110,7 +111,7 @@ class Engine:
             self.max_model_len = min(self.max_model_len or plan["max_seq_len"], plan["max_seq_len"])
         else:
             check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
-            self._shard(model, tensor_parallel)
+            self._shard(model, tensor_parallel, expert_parallel)
             specs = discover_layers(model, cache_kwarg(model))
         has_attn = any(s.keys for s in specs)
         has_ssm = any(s.states for s in specs)
@@ -174,13 +175,17 @@ class Engine:
         self._inbox: dict[int, list[TokenEvent]] = {}
 
     # -- construction ---------------------------------------------------------------------------------
-    def _shard(self, model, tensor_parallel: int) -> None:
-        """Split the model over ``tensor_parallel`` ranks (runtime/distributed): every rank builds the same Engine
-        over its shard, schedules the same steps and samples the same tokens (rank 0's, where they are random)."""
+    def _shard(self, model, tensor_parallel: int, expert_parallel: bool) -> None:
+        """Split the model over ``tensor_parallel`` ranks (runtime/distributed; ``expert_parallel``: MoE experts by
+        index): every rank builds the same Engine over its shard, schedules the same steps and samples the same
+        tokens (rank 0's, where they are random)."""
         if tensor_parallel == 1:
+            if expert_parallel:
+                raise ValueError("Engine: expert_parallel=True splits experts over the tensor_parallel ranks: give "
+                                 "tensor_parallel > 1")
             return
         self.tp_group = distributed.check_group(tensor_parallel)
-        self.shard_report = distributed.shard_model(model, self.tp_group)
+        self.shard_report = distributed.shard_model(model, self.tp_group, expert_parallel=expert_parallel)
         log.info("hybrid engine: %s", self.shard_report.summary())
 
     @classmethod
