@@ -19,7 +19,7 @@ group with a functional collective (dynamo traces it; the region passes see the 
 rewrites on its partial outputs). Embeddings, norms and the LM head are replicated.
 
 Nothing is sharded on faith. Each MLP and MoE block is probed before and after: the all-reduced output of the shards
-on a random input must equal the whole block's, or the block stays replicated (an expert layout tried in turn); a
+on a random input, with uninitialised memory filled with NaN, must equal the whole block's, or the block stays replicated (an expert layout tried in turn); a
 module of none of these shapes stays replicated too. At the end the whole model is probed on a short prompt; logits
 that differ from the unsharded model's refuse the model (``TensorParallelError``). ``ShardReport`` lists what was split
 and what was kept whole, and why.
@@ -203,6 +203,8 @@ class LocalExperts(nn.Module):
             if isinstance(p, nn.Parameter):  # an expert's biases belong to it: sliced with it, not zeroed
                 setattr(inner, name, nn.Parameter(p.data[lo:hi].clone(), requires_grad=False))
         inner.num_experts = hi - lo
+        if hasattr(inner, "_is_expert_parallel"):  # HF's experts kernels (grouped_mm, ...) then mask the skipped
+            inner._is_expert_parallel = True       # index's rows, which they otherwise leave uninitialised
         self.inner, self.lo, self.hi = inner, lo, hi
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
@@ -252,6 +254,23 @@ def _probe_input(hidden: int, param: torch.Tensor) -> torch.Tensor:
     return torch.randn(1, 5, hidden, generator=g).to(param.device, param.dtype)
 
 
+class _nan_filled_empties:
+    """torch.empty and friends return NaN-filled memory inside (deterministic mode's fill_uninitialized_memory;
+    warn_only, so no op is refused)."""
+
+    def __enter__(self):
+        import torch.utils.deterministic as det
+        self.saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                      det.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        det.fill_uninitialized_memory = True
+
+    def __exit__(self, *exc):
+        import torch.utils.deterministic as det
+        torch.use_deterministic_algorithms(self.saved[0], warn_only=self.saved[1])
+        det.fill_uninitialized_memory = self.saved[2]
+
+
 @torch.no_grad()
 def _try_block(block: nn.Module, shard, group, x: torch.Tensor, tol: float) -> tuple[nn.Module | None, str]:
     """Shard a copy of ``block`` with ``shard(copy)`` and wrap it; (the wrapped copy, what) when the all-reduced
@@ -265,7 +284,8 @@ def _try_block(block: nn.Module, shard, group, x: torch.Tensor, tol: float) -> t
         return None, str(e)
     wrapped = AllReduced(trial, group)
     try:
-        err = _rel_err(_first(wrapped(x)), ref)
+        with _nan_filled_empties():  # a shard that reads memory it never wrote fails here, not later by chance
+            err = _rel_err(_first(wrapped(x)), ref)
     except Exception as e:  # noqa: BLE001  (the module's code assumes widths the shards no longer have)
         return None, f"the sharded block fails: {type(e).__name__}: {str(e)[:120]}"
     return (wrapped, what) if err <= tol else (None, f"the shards' sum differs from the block by {err:.1e}")
