@@ -153,13 +153,13 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def _launch_ranks(tp: int) -> int:
+def _launch_ranks(tp: int, argv: list[str]) -> int:
     """``hybrid generate ... --tensor-parallel N`` outside torchrun: the same command on N ranks under torchrun
     (one host), whose agent ends every rank when one fails."""
     import subprocess
     _say(f"starting {tp} ranks (torchrun --standalone --nproc-per-node {tp}) ...")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
-           "runtime.cli", *sys.argv[1:]]
+           "runtime.cli", *argv]
     return subprocess.run(cmd).returncode
 
 
@@ -191,7 +191,7 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed)  # each flag was checked by its type (_sampling)
     tp = args.tensor_parallel
     if tp > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch_ranks(tp)
+        return _launch_ranks(tp, args.argv)
     device = _join_ranks(tp, args.device) if tp > 1 else args.device
     _say(f"loading {args.model} ...")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
@@ -449,6 +449,7 @@ def _message(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what --tensor-parallel relaunches on each rank
     except SystemExit as e:  # --help (0), or a bad flag, already said in one line (2)
         return e.code if isinstance(e.code, int) else 2
     debug = _debug(args)
