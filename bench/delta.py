@@ -74,12 +74,10 @@ def fla_fns():
 
 
 def fla_call(fn, q, k, v, g, beta, state):
-    """fla with as many q/k heads as value heads (repeated by the caller, outside the timing)."""
-    return fn(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-
-
-def repeat_heads(q, k, HK, HV):
-    return (q, k) if HK == HV else tuple(x.repeat_interleave(HV // HK, dim=2).contiguous() for x in (q, k))
+    """fla on the same inputs, q/k with their own head count (fla maps value head h to key head h // (HV / HK), as
+    HF's repeat_interleave does). By keyword: fla's fused recurrent gated delta rule takes gk and gv between g and
+    beta."""
+    return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
 def prefill_rows(lengths, fla, dev, save=lambda rows: None):
@@ -99,11 +97,10 @@ def prefill_rows(lengths, fla, dev, save=lambda rows: None):
                 o, st = ours()
                 if fla:
                     fn = fla["chunk"][1 if s["per_channel"] else 0]
-                    qr, kr = repeat_heads(q, k, s["HK"], s["HV"])
-                    fo, fs = fla_call(fn, qr, kr, v, g, beta, h0)
+                    fo, fs = fla_call(fn, q, k, v, g, beta, h0)
                     torch.cuda.synchronize()
                     row.update(err_o_vs_fla=rel(o, fo), err_state_vs_fla=rel(st, fs))
-                    row["fla_ms"] = cuda_ms(lambda: fla_call(fn, qr, kr, v, g, beta, h0))
+                    row["fla_ms"] = cuda_ms(lambda: fla_call(fn, q, k, v, g, beta, h0))
                 row["hybrid_ms"] = cuda_ms(ours)
                 row["kernels_ms"] = kernel_times(ours)
                 if T <= 4096:
@@ -180,12 +177,11 @@ def decode_rows(batches, fla, dev):
                 if fla:
                     fn = fla["step"][1 if s["per_channel"] else 0]
                     torch.cuda.synchronize()
-                    qr, kr = repeat_heads(q, k, s["HK"], s["HV"])
                     st = ref_table[idx.long()].contiguous()
-                    fo, fs = fla_call(fn, qr, kr, v, g, beta, st)
+                    fo, fs = fla_call(fn, q, k, v, g, beta, st)
                     torch.cuda.synchronize()
                     row.update(err_o_vs_fla=rel(o, fo), err_state_vs_fla=rel(table[idx.long()], fs))
-                    row["fla_ms"] = cuda_ms(lambda: fla_call(fn, qr, kr, v, g, beta, st), rep=50)
+                    row["fla_ms"] = cuda_ms(lambda: fla_call(fn, q, k, v, g, beta, st), rep=50)
                 row["hybrid_ms"] = cuda_ms(lambda: delta_rule_step_triton(q, k, v, g, beta, s["K"] ** -0.5, table,
                                                                           table, idx), rep=50)
                 state_bytes = B * s["HV"] * s["K"] * s["V"] * 4

@@ -36,6 +36,10 @@ from runtime.engine import Engine, SamplingParams  # noqa: E402
 
 MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]
 VARIANTS = ["hf-eager", "hf-static-compile", "hybrid-engine"]
+# hybrid-engine-tp1: the tensor-parallel code path on a one-rank process group (NCCL on the GPU, gloo on the CPU):
+# a copy of the model sharded by runtime.distributed.shard_model (every split block wrapped in its all-reduce),
+# so its TPOT against hybrid-engine in the same run is what the distributed path costs.
+EXTRA_VARIANTS = ["hybrid-engine-tp1"]
 
 
 def tag(msg):
@@ -153,6 +157,30 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> No
         print(f"{per_step:8.1f} {e.count / steps:10.1f} {e.self_device_time_total / e.count:8.2f}  {e.key[:90]}")
 
 
+def one_rank_group():
+    """The default process group with this process as its only rank (started once)."""
+    import os
+    import socket
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def sharded_copy(model):
+    """A copy of ``model`` sharded over the one-rank group (the tensor-parallel path at TP = 1)."""
+    from runtime.distributed import shard_model
+    twin = copy.deepcopy(model)
+    report = shard_model(twin, one_rank_group())
+    tag(f"tp1: {report.summary()}")
+    return twin
+
+
 def agreeing_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     n = []
     for x, y in zip(a, b):
@@ -170,6 +198,7 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows, eager_ids = [], {}
     engine = None
+    engines = {}  # one engine per engine variant, kept over the batch sizes
     batch_prompts = {b: torch.randint(3, vocab, (b, args.prompt), generator=g).to(device) for b in args.batches}
     for variant in args.variants:
         for b, prompts in batch_prompts.items():
@@ -187,9 +216,11 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     if variant == "hf-eager":
                         eager_ids[b] = out
                 else:
+                    engine = engines.get(variant)
                     if engine is None:
-                        tag(f"{name}: engine ({args.compile}), cache {args.cache_mb} MB")
-                        engine = Engine(model, cache_memory=args.cache_mb << 20, max_num_seqs=max(args.batches),
+                        tag(f"{name}: {variant} ({args.compile}), cache {args.cache_mb} MB")
+                        runs = sharded_copy(model) if variant == "hybrid-engine-tp1" else model
+                        engine = engines[variant] = Engine(runs, cache_memory=args.cache_mb << 20, max_num_seqs=max(args.batches),
                                         max_prefill_tokens=max(args.prompt, 512), compile=args.compile,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
                                         freeze_weights=args.freeze_weights,
@@ -217,6 +248,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                 traceback.print_exc(limit=4)
             tag(f"{name} {variant} B={b}: { {k: v for k, v in row.items() if k != 'roofline_parts_mb'} }")
             rows.append(row)
+        engines.pop(variant, None)
+        engine = None
         torch._dynamo.reset()
     for r in rows:  # the step roofline is the same bytes whoever runs the step
         ref = next((x for x in rows if x["batch"] == r["batch"] and "roofline_ms" in x), None)
@@ -247,13 +280,17 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | variant | B | new tokens | TTFT ms | TPOT ms | host busy ms/step | decode tok/s | x HF eager "
              "| % step roofline | roofline ms | agreeing prefix vs eager | note |", "|" + "---|" * 13]
     eager = {(r["model"], r["batch"]): r for r in rows if r["variant"] == "hf-eager" and "tok_s" in r}
+    plain = {(r["model"], r["batch"]): r for r in rows if r["variant"] == "hybrid-engine" and "tpot_ms" in r}
     for r in rows:
         e = eager.get((r["model"], r["batch"]))
+        p = plain.get((r["model"], r["batch"]))
+        if r["variant"] == "hybrid-engine-tp1" and p and "tpot_ms" in r:
+            r.setdefault("note", f"TPOT {r['tpot_ms'] / p['tpot_ms']:.3f}x hybrid-engine's")
         ratio = f"{r['tok_s'] / e['tok_s']:.1f}x" if e and "tok_s" in r else "-"
         f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
         lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['new_tokens']} | {f('ttft_ms', '.1f')} | "
                      f"{f('tpot_ms', '.3f')} | {f('host_busy_ms', '.3f')} | {f('tok_s', '.0f')} | {ratio} | {f('pct_roofline', '.0f')} | "
-                     f"{f('roofline_ms', '.3f')} | {f('agreeing_prefix', '.1f')} | {r.get('error', '')} |")
+                     f"{f('roofline_ms', '.3f')} | {f('agreeing_prefix', '.1f')} | {r.get('error', r.get('note', ''))} |")
     return "\n".join(lines)
 
 
@@ -283,10 +320,14 @@ def main() -> int:
     if args.smoke:
         args.models, args.batches, args.prompt, args.output, args.eager_output, args.cache_mb = (
             "deepseek_v2,mamba2,mixtral", "1,3", 20, 8, 8, 64)
-        args.variants = "hf-eager,hybrid-engine"
+        if args.variants == ",".join(VARIANTS):
+            args.variants = "hf-eager,hybrid-engine"
         args.compile = "hybrid-eager"
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANTS + EXTRA_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {VARIANTS + EXTRA_VARIANTS}")
     rows = []
     for name in args.models.split(","):
         rows += run_model(name, args, device, dtype)

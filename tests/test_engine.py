@@ -482,11 +482,13 @@ def test_recorded_steps_advance_their_own_inputs(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels in recorded steps need a GPU")
-@pytest.mark.parametrize("name", ["deepseek_v2", "jamba"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "jamba", "qwen3_next", "kimi_linear", "gpt_oss"])
 def test_compiled_cuda_graph_engine_matches_hf_generate(name):
     """The GPU default (hybrid passes + Inductor, recorded decode steps) in fp32: DeepSeek-V2's decode attention
     is the paged Triton kernel over the latent pages (hybrid::mla_attention_paged); Jamba's Mamba1 scan traces
-    as hybrid::selective_scan_rt (passes/prepare.py) next to paged attention and MoE layers."""
+    as hybrid::selective_scan_rt (passes/prepare.py) next to paged attention and MoE layers; Qwen3-Next's and
+    Kimi Linear's delta-rule mixers run the Triton chunked prefill and the in-place decode step on their state
+    rows; gpt_oss's fresh prompts prefill together (sliding windows, sinks) before graphed decode."""
     prompts = PROMPTS + [list(range(50, 61))]
     model = zoo.build(name, device="cuda")
     with torch.no_grad():
