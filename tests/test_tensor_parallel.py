@@ -154,3 +154,57 @@ def test_cli_starts_its_ranks_and_prints_once():
     tokens = lambda out: [o["token_ids"] for o in json.loads(out)["outputs"]]  # noqa: E731
     assert tokens(two.stdout) == tokens(one.stdout)
     assert two.stderr.count("loading llama") == 1
+
+
+def _dying_worker(rank: int, port: int, out_dir: str):
+    """Rank 1 exits in the middle of generating (at its third model launch); rank 0 records what its generate
+    raised, how long it took, and what a second call raises."""
+    import time
+    sys.path.insert(0, ROOT)
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from runtime.distributed import RankFailure
+    engine = Engine(zoo.build("llama"), compile=None, tensor_parallel=2)
+    if rank == 1:
+        launch, calls = engine.runner.launch, []
+
+        def dying(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(7)
+            return launch(*args, **kwargs)
+        engine.runner.launch = dying
+    result, t0 = {}, time.perf_counter()
+    for attempt in ("first", "second"):
+        try:
+            engine.generate(PROMPTS, SamplingParams(max_tokens=20))
+            result[attempt] = "returned"
+        except RankFailure as e:
+            result[attempt] = str(e)
+        result[attempt + "_s"] = time.perf_counter() - t0
+    with open(os.path.join(out_dir, f"dying{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_a_rank_that_dies_stops_the_others_with_a_clear_error(tmp_path):
+    """Two independent processes (no launcher to end the survivor): when rank 1 exits mid-generate, rank 0's
+    generate raises RankFailure naming the failed step and what to do, within seconds, and the engine stays stopped
+    (the next call raises at once) instead of running steps the other rank never joins."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_dying_worker, args=(r, port, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p.is_alive() for p in procs]
+    for p in procs:
+        p.kill() if p.is_alive() else None
+    assert alive == [False, False], "a rank hung"
+    assert procs[1].exitcode == 7 and procs[0].exitcode == 0
+    got = json.loads((tmp_path / "dying0.json").read_text())
+    assert got["first"].startswith("Engine: a step failed on rank 0 of 2 (") and "start every rank again" in got["first"]
+    assert got["second"] == got["first"] and got["second_s"] - got["first_s"] < 1.0
+    assert got["first_s"] < 60

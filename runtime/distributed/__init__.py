@@ -1,7 +1,13 @@
 """Running one model over several processes with ``torch.distributed`` (tensor_parallel.py says how it is split)."""
 from .tensor_parallel import AllReduced, ShardReport, TensorParallelError, shard_model
 
-__all__ = ["AllReduced", "ShardReport", "TensorParallelError", "shard_model", "check_group", "agree", "min_over_ranks"]
+__all__ = ["AllReduced", "RankFailure", "ShardReport", "TensorParallelError", "shard_model", "check_group", "agree",
+           "min_over_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A step failed on this rank of a tensor-parallel engine (its own error, or a collective whose peer is gone).
+    The ranks no longer take the same steps, so the engine stops for good: every rank must be started again."""
 
 
 def check_group(tensor_parallel: int):

@@ -5,7 +5,8 @@
     for event in engine.stream(["Hello"], SamplingParams(max_tokens=8, temperature=0.8, seed=0)): ...
 
 ``step()`` is the whole loop: schedule, run, postprocess. ``abort(request_id)`` ends a request at once; a step
-that raises fails the requests it ran (``finish_reason="error"``) and leaves the engine ready for the next one.
+that raises fails the requests it ran (``finish_reason="error"``) and leaves the engine ready for the next one,
+except under tensor parallelism, where it stops the engine (``RankFailure``: the ranks would no longer agree).
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ class Engine:
         self.eos = self._eos_ids(model)
         plan = getattr(model, "engine_plan", None)  # an engine directory's model (runtime/aot): found at export
         self.tp_group, self.shard_report = None, None
+        self._rank_failure: str | None = None  # set when a tensor-parallel step fails: the engine is stopped
         if tensor_parallel > 1 and plan is not None:
             raise ValueError("Engine: tensor_parallel > 1 runs an HF model, not an engine directory (its programs "
                              "hold the whole model)")
@@ -366,6 +368,8 @@ class Engine:
         A step that raises fails the requests it ran: each gets a last event with ``finish_reason="error"`` and
         the message, its blocks and state row are freed, and the next call goes on with the others. An interrupt
         (KeyboardInterrupt) puts the step's sequences back in the queue, recomputed from their tokens later."""
+        if self._rank_failure is not None:
+            raise distributed.RankFailure(self._rank_failure)
         events = self._step()
         for e in events:
             box = self._inbox.get(e.request_id)
@@ -393,6 +397,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001  (a failed step fails its requests, not the engine)
             if step is None:  # scheduling itself failed: no request to blame
                 raise
+            if self.tp_group is not None:  # the other ranks ran this step, or wait in its collectives: stop
+                raise self._lose_ranks(e) from e
             if step.kind == "prefill" and sum(s.status is Status.RUNNING for s in step.seqs) > 1:
                 return events + self._retry_alone(step, e)
             return events + self._fail(step, e)
@@ -431,6 +437,18 @@ class Engine:
         if step.kind == "decode":  # tokens kept, not rows computed (a dropped token is not output)
             self.stats["decode_steps"] += 1
             self.stats["decode_tokens"] += kept
+
+    def _lose_ranks(self, error: Exception) -> Exception:
+        """The error that ends a tensor-parallel engine whose step raised: failing only that step's requests here
+        would leave this rank's scheduler apart from the others' (and a peer's collectives waiting forever)."""
+        import torch.distributed as dist
+        self._ahead = None
+        self._rank_failure = (f"Engine: a step failed on rank {dist.get_rank(self.tp_group)} of "
+                              f"{dist.get_world_size(self.tp_group)} ({' '.join(f'{type(error).__name__}: {error}'.split())[:400]}); "
+                              "the ranks no longer run the same steps, so this engine has stopped: start every rank "
+                              "again (under torchrun, a rank that exits ends the others)")
+        log.error("hybrid engine: %s", self._rank_failure)
+        return distributed.RankFailure(self._rank_failure)
 
     def _fail(self, step: Step, error: Exception) -> list[TokenEvent]:
         """End the requests of a step that raised with ``finish_reason="error"``; drop a step launched ahead of it
