@@ -180,6 +180,33 @@ def _join_ranks(tp: int, device: str | None) -> str | None:
     return f"cuda:{local}" if cuda else "cpu"
 
 
+def _check_expert_flags(args) -> None:
+    if (args.expert_placement or args.save_expert_placement) and not args.expert_parallel:
+        raise ValueError("--expert-placement and --save-expert-placement place experts over ranks: add "
+                         "--expert-parallel (and --tensor-parallel N)")
+    if args.redundant_experts % args.tensor_parallel:
+        raise ValueError(f"--redundant-experts {args.redundant_experts}: give a multiple of --tensor-parallel "
+                         f"{args.tensor_parallel} (every rank gets as many slots)")
+    if args.expert_placement:
+        from runtime.distributed import balance
+        balance.load(args.expert_placement)  # a bad file is one line before any rank starts
+
+
+def _save_placement(engine, path: str, tp: int, redundant: int) -> None:
+    """Rank 0 writes a placement for the loads this run measured and says how even the ranks were and would be."""
+    from runtime.distributed import balance
+    measured = engine.expert_balance()  # every rank takes part (it gathers)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    loads = engine.expert_loads()
+    plan = {block: balance.plan_placement(counts, tp, redundant) for block, counts in loads.items()}
+    balance.save(path, plan)
+    worst = max((m["imbalance"] for m in measured.values()), default=1.0)
+    planned = max((balance.imbalance(balance.rank_loads(loads[b], plan[b])) for b in plan), default=1.0)
+    _say(f"expert placement for {len(plan)} MoE blocks written to {path}: ranks' load max / mean {worst:.2f} "
+         f"measured, {planned:.2f} for these loads placed (--expert-placement {path})")
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -190,13 +217,14 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)  # each flag was checked by its type (_sampling)
     tp = args.tensor_parallel
+    _check_expert_flags(args)
     if tp > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(tp, args.argv)
     device = _join_ranks(tp, args.device) if tp > 1 else args.device
     _say(f"loading {args.model} ...")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, compile=args.compile, tensor_parallel=tp,
-                                    expert_parallel=args.expert_parallel,
+                                    expert_parallel=args.expert_parallel, expert_placement=args.expert_placement,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     allow_missing_weights=args.allow_missing_weights,
@@ -215,6 +243,8 @@ def cmd_generate(args) -> int:
         if live:
             print(file=sys.stderr)
     seconds = time.perf_counter() - t0
+    if args.save_expert_placement:
+        _save_placement(engine, args.save_expert_placement, tp, args.redundant_experts)
     failed: dict[str, list[int]] = {}
     for i, o in enumerate(outs):
         if o.finish_reason == "error":
@@ -396,6 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model over N processes (torch.distributed; started with torchrun on this host)")
     g.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel: split MoE experts over the ranks by expert, not by width")
+    g.add_argument("--expert-placement", metavar="FILE",
+                   help="with --expert-parallel: place experts (and replicas of hot ones) as FILE says "
+                   "(written by --save-expert-placement)")
+    g.add_argument("--save-expert-placement", metavar="FILE",
+                   help="with --expert-parallel: after generating, write a placement balanced for the experts' measured "
+                   "loads to FILE, and print the ranks' load imbalance (max / mean)")
+    g.add_argument("--redundant-experts", type=_int_at_least(0), default=0, metavar="R",
+                   help="extra expert slots per MoE block for --save-expert-placement (a multiple of N): replicas of the "
+                   "hottest experts")
     g.set_defaults(fn=cmd_generate)
 
     sv = sub.add_parser("serve", parents=[debug, loading, engine_flags],

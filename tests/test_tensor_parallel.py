@@ -49,6 +49,28 @@ class Broken(torch.nn.Module):
         return y / y.norm(dim=-1, keepdim=True)
 
 
+def _skewed_gpt_oss():
+    """gpt_oss whose router bias sends every token to experts 0 and 1 (both on rank 0 when split in halves)."""
+    model = zoo.build("gpt_oss")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.bias[:2] += 10.0
+    return model
+
+
+def _eplb_phase() -> dict:
+    """Expert load balancing: serve with contiguous experts, count, plan two redundant slots, serve again placed."""
+    from runtime.distributed import balance
+    first = Engine(_skewed_gpt_oss(), compile=None, tensor_parallel=2, expert_parallel=True)
+    tokens = [[o.token_ids for o in first.generate(PROMPTS[:2], SamplingParams(max_tokens=6))]]
+    loads, before = first.expert_loads(), first.expert_balance()
+    plan = {block: balance.plan_placement(counts, 2, redundant=2) for block, counts in loads.items()}
+    placed = Engine(_skewed_gpt_oss(), compile=None, tensor_parallel=2, expert_parallel=True, expert_placement=plan)
+    tokens.append([o.token_ids for o in placed.generate(PROMPTS[:2], SamplingParams(max_tokens=6))])
+    return dict(tokens=tokens, loads=loads, before=before, after=placed.expert_balance(),
+                split=[s for s in placed.shard_report.split if ": MoE," in s])
+
+
 def _worker(rank: int, port: int, out_dir: str):
     sys.path.insert(0, ROOT)
     import torch.distributed as dist
@@ -72,6 +94,7 @@ def _worker(rank: int, port: int, out_dir: str):
         outs = engine.generate(PROMPTS, _params())
         result["ep:" + name] = {"tokens": [o.token_ids for o in outs], "split": engine.shard_report.split}
         torch._dynamo.reset()
+    result["eplb"] = _eplb_phase()
     torch.manual_seed(0)
     block = Broken()
     wrapped, why = tp._try_block(block, lambda b: tp._shard_mlp(b, rank, 2), dist.group.WORLD, torch.randn(1, 3, 8),
@@ -122,6 +145,41 @@ def test_expert_parallel_gives_the_single_process_tokens(ranks, name, compile):
         assert all("experts 0-" not in s for s in r1["split"]), r1  # rank 1 holds the upper half
     else:
         assert all("experts by index failed" in s for s in moe), moe
+
+
+def test_expert_load_balancing_evens_the_ranks_and_keeps_the_tokens(ranks):
+    """Every token routed to experts 0 and 1: with contiguous experts rank 0 computes every route (imbalance 2.0);
+    placed by balance.plan_placement from the counted loads, with two redundant slots (replicas of 0 and 1 on both
+    ranks), the ranks' measured loads are within 10% and the tokens are the single-process engine's."""
+    engine = Engine(_skewed_gpt_oss(), compile=None)
+    want = [o.token_ids for o in engine.generate(PROMPTS[:2], SamplingParams(max_tokens=6))]
+    r0, r1 = ranks[0]["eplb"], ranks[1]["eplb"]
+    assert r0["tokens"] == [want, want] == r1["tokens"]
+    assert r0["loads"] == r1["loads"] and len(r0["loads"]) == 2  # the router is replicated: the same counts
+    for block, counts in r0["loads"].items():
+        assert counts[2:] == [0, 0] and counts[0] == counts[1] > 0
+        assert r0["before"][block]["imbalance"] == 2.0 and r0["before"][block]["computed"][1] == 0
+        assert r0["after"][block]["imbalance"] <= 1.1, r0["after"]
+    assert all("2 of them replicas" in s for s in r0["split"] + r1["split"]), r0["split"]
+
+
+def test_placement_plans_and_checks():
+    from runtime.distributed import balance
+    counts = [100, 90, 10, 10, 5, 5, 3, 1]
+    plain = balance.contiguous(8, 2)
+    plan = balance.plan_placement(counts, 2, redundant=2)
+    balance.check_placement(plan, 8, 2)
+    assert balance.imbalance(balance.rank_loads(counts, plain)) > 1.6
+    assert balance.imbalance(balance.rank_loads(counts, plan)) < 1.05
+    assert sorted(e for own in plan for e, _, n in own if n > 1) == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="repeat"):
+        balance.check_placement([[(0, 0, 2), (1, 0, 1)], [(0, 0, 2), (2, 0, 1)]], 3, 2)
+    with pytest.raises(ValueError, match="not fully placed"):
+        balance.check_placement([[(0, 0, 2)], [(1, 0, 1)]], 2, 2)
+    with pytest.raises(ValueError, match="multiple of the 2 ranks"):
+        balance.plan_placement(counts, 2, redundant=1)
+    with pytest.raises(ValueError, match="needs expert_parallel=True"):
+        Engine(zoo.build("gpt_oss"), compile=None, expert_placement={})
 
 
 def test_a_block_whose_shards_do_not_sum_stays_whole(ranks):
@@ -208,3 +266,28 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_error(tmp_path):
     assert got["first"].startswith("Engine: a step failed on rank 0 of 2 (") and "start every rank again" in got["first"]
     assert got["second"] == got["first"] and got["second_s"] - got["first_s"] < 1.0
     assert got["first_s"] < 60
+
+
+def test_cli_saves_a_placement_and_starts_with_it(tmp_path):
+    """``--save-expert-placement`` writes a placement balanced for the measured loads and says the imbalance;
+    ``--expert-placement`` starts with it: same tokens, the ranks' measured loads more even."""
+    import re
+    import subprocess
+    plan, again = tmp_path / "plan.json", tmp_path / "again.json"
+    cmd = [sys.executable, "-m", "runtime.cli", "generate", "gpt_oss", "--prompt-ids", "5,6,7,8,9,10,11,12",
+           "--prompt-ids", "20,21,22", "--max-new-tokens", "5", "--compile", "none", "--json", "--tensor-parallel", "2",
+           "--expert-parallel"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    first = subprocess.run(cmd + ["--save-expert-placement", str(plan), "--redundant-experts", "2"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = subprocess.run(cmd + ["--expert-placement", str(plan), "--save-expert-placement", str(again)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    tokens = lambda out: [o["token_ids"] for o in json.loads(out)["outputs"]]  # noqa: E731
+    assert tokens(first.stdout) == tokens(second.stdout)
+    measured = [float(re.search(r"max / mean ([\d.]+) measured", r.stderr).group(1)) for r in (first, second)]
+    assert measured[1] < measured[0], measured
+    bad = subprocess.run(cmd[:-1] + ["--expert-placement", str(plan)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert bad.returncode == 2 and "add --expert-parallel" in bad.stderr

@@ -1,7 +1,8 @@
 """Running one model over several processes with ``torch.distributed`` (tensor_parallel.py says how it is split)."""
-from .tensor_parallel import AllReduced, ShardReport, TensorParallelError, shard_model
+from . import balance
+from .tensor_parallel import AllReduced, LocalExperts, ShardReport, TensorParallelError, shard_model
 
-__all__ = ["AllReduced", "RankFailure", "ShardReport", "TensorParallelError", "shard_model", "check_group", "agree",
+__all__ = ["balance", "AllReduced", "LocalExperts", "RankFailure", "ShardReport", "TensorParallelError", "shard_model", "check_group", "agree",
            "min_over_ranks"]
 
 

@@ -191,26 +191,45 @@ def _shard_fused_experts(m: nn.Module, layout: str, rank: int, world: int, hidde
 
 
 class LocalExperts(nn.Module):
-    """Expert parallelism: the experts [lo, hi) of a fused experts module (HF's ``forward(hidden, top_k_index,
-    top_k_weights)``). A route to another rank's expert becomes the index one past the local experts, which HF's
-    expert loop skips (its one-hot has ``num_experts + 1`` classes), with weight 0; the block's all-reduce adds the
-    other ranks' experts."""
+    """Expert parallelism: this rank's slots of a fused experts module (HF's ``forward(hidden, top_k_index,
+    top_k_weights)``), each ``(expert, replica, replicas)`` as balance.py places them: the rank computes the routes to
+    a slot's expert from token rows ``t`` with ``t % replicas == replica``. Any other route becomes the index one past
+    the local slots, which HF's expert loop skips (its one-hot has ``num_experts + 1`` classes), with weight 0; the
+    block's all-reduce adds the other ranks' routes. ``routed`` counts the tokens routed to each expert (the same on
+    every rank: the router is replicated), ``computed`` the routes this rank computed."""
 
-    def __init__(self, inner: nn.Module, lo: int, hi: int):
+    def __init__(self, inner: nn.Module, slots: list[tuple[int, int, int]], num_experts: int, block: str = ""):
         super().__init__()
+        ids = torch.tensor([e for e, _, _ in slots], dtype=torch.long)
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             p = getattr(inner, name, None)
-            if isinstance(p, nn.Parameter):  # an expert's biases belong to it: sliced with it, not zeroed
-                setattr(inner, name, nn.Parameter(p.data[lo:hi].clone(), requires_grad=False))
-        inner.num_experts = hi - lo
+            if isinstance(p, nn.Parameter):  # an expert's biases belong to it: taken with it, not zeroed
+                setattr(inner, name, nn.Parameter(p.data[ids.to(p.device)].clone(), requires_grad=False))
+        inner.num_experts = len(slots)
         if hasattr(inner, "_is_expert_parallel"):  # HF's experts kernels (grouped_mm, ...) then mask the skipped
             inner._is_expert_parallel = True       # index's rows, which they otherwise leave uninitialised
-        self.inner, self.lo, self.hi = inner, lo, hi
+        dev = inner.down_proj.device
+        slot_of = torch.full((num_experts,), len(slots), dtype=torch.long)
+        rep_j, rep_n = torch.zeros(num_experts, dtype=torch.long), torch.ones(num_experts, dtype=torch.long)
+        for i, (e, j, n) in enumerate(slots):
+            slot_of[e], rep_j[e], rep_n[e] = i, j, n
+        self.register_buffer("slot_of", slot_of.to(dev), persistent=False)
+        self.register_buffer("rep_j", rep_j.to(dev), persistent=False)
+        self.register_buffer("rep_n", rep_n.to(dev), persistent=False)
+        self.register_buffer("routed", torch.zeros(num_experts, dtype=torch.long, device=dev), persistent=False)
+        self.register_buffer("computed", torch.zeros((), dtype=torch.long, device=dev), persistent=False)
+        self.inner, self.slots, self.num_global, self.block = inner, list(slots), num_experts, block
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        local = (top_k_index >= self.lo) & (top_k_index < self.hi)
-        index = torch.where(local, top_k_index - self.lo, torch.full_like(top_k_index, self.hi - self.lo))
+        n_local = len(self.slots)
+        row = torch.arange(top_k_index.shape[0], device=top_k_index.device).view(-1, *[1] * (top_k_index.dim() - 1))
+        slot = self.slot_of[top_k_index]
+        local = (slot < n_local) & (row % self.rep_n[top_k_index] == self.rep_j[top_k_index])
+        index = torch.where(local, slot, torch.full_like(slot, n_local)).to(top_k_index.dtype)
         weights = torch.where(local, top_k_weights, torch.zeros_like(top_k_weights))
+        flat = top_k_index.reshape(-1).long()
+        self.routed.index_add_(0, flat, torch.ones_like(flat))
+        self.computed.add_(local.sum())
         return self.inner(hidden_states, index, weights, *args, **kwargs)
 
 
@@ -219,18 +238,27 @@ def _fused_experts(m: nn.Module) -> bool:
         isinstance(getattr(m, "down_proj", None), nn.Parameter)
 
 
-def _shard_moe(block: nn.Module, layout: str, rank: int, world: int, hidden: int) -> str:
+def _shard_moe(block: nn.Module, layout: str, rank: int, world: int, hidden: int, path: str = "",
+               placement: dict | None = None) -> str:
     """Every expert and shared expert of ``block`` (its router and gates untouched). ``layout`` "experts": expert
-    parallelism (``LocalExperts``) for the routed experts, shared experts split by width."""
+    parallelism (``LocalExperts``; ``placement[path]``: balance.py's slots per rank, else contiguous experts) for the
+    routed experts, shared experts split by width."""
+    from . import balance
     done = []
     for name, m in list(block.named_modules()):
         if _fused_experts(m) and layout == "experts":
             e = m.gate_up_proj.shape[0]
             if e % world or not name:
                 raise ValueError(f"{e} experts do not split over {world} ranks")
-            lo, hi = rank * e // world, (rank + 1) * e // world
-            _set_child(block, name, LocalExperts(m, lo, hi))
-            done.append(f"experts {lo}-{hi - 1} of {e} on this rank")
+            slots = (placement or {}).get(path) or balance.contiguous(e, world)
+            balance.check_placement(slots, e, world, f" of {path}")
+            _set_child(block, name, LocalExperts(m, slots[rank], e, path))
+            own = slots[rank]
+            if (placement or {}).get(path):
+                done.append(f"{len(own)} slots of {e} experts on this rank (placed: experts "
+                            f"{[x for x, _, _ in own]}, {sum(n > 1 for _, _, n in own)} of them replicas)")
+            else:
+                done.append(f"experts {own[0][0]}-{own[-1][0]} of {e} on this rank")
         elif _fused_experts(m):
             done.append(_shard_fused_experts(m, layout, rank, world, hidden))
         elif _is_mlp(m):
@@ -298,15 +326,24 @@ def _set_child(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, group=None, expert_parallel: bool = False) -> ShardReport:
+def shard_model(model: nn.Module, group=None, expert_parallel: bool = False,
+                expert_placement: dict | None = None) -> ShardReport:
     """Shard ``model`` in place over ``group`` (default: the whole world), as the module docstring says; with
     ``expert_parallel`` MoE blocks split their routed experts by index first (``LocalExperts``), by width where that
-    does not hold. Raises ``TensorParallelError`` when the sharded model's logits on a probe prompt differ from the
+    does not hold (``expert_placement``: balance.py's slots per MoE block path, replicas of hot experts included).
+    Raises ``TensorParallelError`` when the sharded model's logits on a probe prompt differ from the
     unsharded model's."""
     from graphs.modules import DELTA, MOE, SSM, classify
+
+    from . import balance
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     report = ShardReport(world)
+    placement = dict(expert_placement or {})
+    blocks = {p for p, m in model.named_modules() if classify(m) == MOE}
+    if placement.keys() - blocks:
+        raise ValueError(f"expert placement names {sorted(placement.keys() - blocks)[:3]}, which are not MoE blocks of "
+                         f"{type(model).__name__} (its blocks: {sorted(blocks)[:3]}...)")
     config = model.config.get_text_config()
     hidden = config.hidden_size
     param = next(model.parameters())
@@ -322,8 +359,14 @@ def shard_model(model: nn.Module, group=None, expert_parallel: bool = False) -> 
         if classify(m) == MOE:
             taken.append(path)
             why = ""
+            if expert_parallel and path in placement:
+                e = next((x.gate_up_proj.shape[0] for x in m.modules() if _fused_experts(x)), None)
+                if e is None:
+                    raise ValueError(f"expert placement names {path}, whose experts are not one fused module")
+                balance.check_placement(placement[path], e, world, f" of {path}")
             for layout in (("experts",) if expert_parallel else ()) + ("halves", "interleaved"):
-                wrapped, what = _try_block(m, lambda b, lay=layout: _shard_moe(b, lay, rank, world, hidden), group,
+                wrapped, what = _try_block(m, lambda b, lay=layout: _shard_moe(b, lay, rank, world, hidden, path,
+                                                                                        expert_placement), group,
                                            x, tol)
                 if wrapped is not None:
                     _set_child(model, path, wrapped)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import time
 from collections.abc import Iterable, Iterator
 
@@ -46,6 +47,12 @@ def check_options(opts: dict) -> None:
                 check_int(where, value, 1)
         elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights", "expert_parallel"):
             check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode"))
+        elif name == "expert_placement":
+            if value is not None and not isinstance(value, (dict, str, os.PathLike)):
+                raise TypeError(f"{where} must be a placement dict or the path of one (runtime.distributed.balance), "
+                                f"got {type(value).__name__}")
+            if value is not None and not opts.get("expert_parallel"):
+                raise ValueError(f"{where} places experts over ranks: it needs expert_parallel=True")
         elif name == "compile":
             if not isinstance(value, (str, type(None))) or value not in COMPILE_MODES:
                 raise ValueError(f"{where} must be one of {', '.join(map(repr, COMPILE_MODES))}, got {value!r}")
@@ -77,7 +84,7 @@ class Engine:
                  max_num_seqs: int = 32, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
                  compile: str | None = "auto", bucket_decode: bool | None = None, paged_decode: bool | None = None,
                  overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None,
-                 tensor_parallel: int = 1, expert_parallel: bool = False):
+                 tensor_parallel: int = 1, expert_parallel: bool = False, expert_placement=None):
         if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
             raise TypeError(f"Engine: model must be a Hugging Face causal LM (a torch.nn.Module with a .config), got "
                             f"{type(model).__name__}; for a zoo name or a model directory use Engine.from_pretrained")
@@ -86,7 +93,7 @@ class Engine:
                            compile=compile, bucket_decode=bucket_decode,
                            paged_decode=paged_decode, overlap=overlap, freeze_weights=freeze_weights,
                            compile_options=compile_options, tensor_parallel=tensor_parallel,
-                           expert_parallel=expert_parallel))
+                           expert_parallel=expert_parallel, expert_placement=expert_placement))
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -113,7 +120,7 @@ class Engine:
             self.max_model_len = min(self.max_model_len or plan["max_seq_len"], plan["max_seq_len"])
         else:
             check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
-            self._shard(model, tensor_parallel, expert_parallel)
+            self._shard(model, tensor_parallel, expert_parallel, expert_placement)
             specs = discover_layers(model, cache_kwarg(model))
         has_attn = any(s.keys for s in specs)
         has_ssm = any(s.states for s in specs)
@@ -177,18 +184,52 @@ class Engine:
         self._inbox: dict[int, list[TokenEvent]] = {}
 
     # -- construction ---------------------------------------------------------------------------------
-    def _shard(self, model, tensor_parallel: int, expert_parallel: bool) -> None:
+    def _shard(self, model, tensor_parallel: int, expert_parallel: bool, expert_placement) -> None:
         """Split the model over ``tensor_parallel`` ranks (runtime/distributed; ``expert_parallel``: MoE experts by
-        index): every rank builds the same Engine over its shard, schedules the same steps and samples the same
-        tokens (rank 0's, where they are random)."""
+        index, placed as ``expert_placement`` says, a dict or a file of runtime.distributed.balance): every rank
+        builds the same Engine over its shard, schedules the same steps and samples the same tokens (rank 0's,
+        where they are random)."""
         if tensor_parallel == 1:
             if expert_parallel:
                 raise ValueError("Engine: expert_parallel=True splits experts over the tensor_parallel ranks: give "
                                  "tensor_parallel > 1")
             return
         self.tp_group = distributed.check_group(tensor_parallel)
-        self.shard_report = distributed.shard_model(model, self.tp_group, expert_parallel=expert_parallel)
+        if isinstance(expert_placement, (str, os.PathLike)):
+            expert_placement = distributed.balance.load(expert_placement)
+        self.shard_report = distributed.shard_model(model, self.tp_group, expert_parallel=expert_parallel,
+                                                    expert_placement=expert_placement)
+        self.reset_expert_loads()  # the probes' routes are not the workload's
         log.info("hybrid engine: %s", self.shard_report.summary())
+
+    # -- expert load (expert parallelism) -------------------------------------------------------------------
+    def _local_experts(self):
+        return [m for m in self.model.modules() if isinstance(m, distributed.LocalExperts)]
+
+    def expert_loads(self) -> dict[str, list[int]]:
+        """Tokens routed to each expert of every expert-parallel MoE block (by the block's module path) since the
+        engine started or ``reset_expert_loads``: the counts ``balance.plan_placement`` takes. Padding rows of
+        bucketed decode steps count too (they are computed). Empty without expert parallelism."""
+        return {m.block: m.routed.tolist() for m in self._local_experts()}
+
+    def reset_expert_loads(self) -> None:
+        for m in self._local_experts():
+            m.routed.zero_()
+            m.computed.zero_()
+
+    def expert_balance(self) -> dict[str, dict]:
+        """The load each rank measured, per expert-parallel MoE block: ``computed`` (routes computed, one entry per
+        rank) and ``imbalance`` (max / mean over ranks). Every rank must call it (it gathers over the ranks)."""
+        import torch.distributed as dist
+        mine = {m.block: int(m.computed) for m in self._local_experts()}
+        every = [None] * dist.get_world_size(self.tp_group) if mine else []
+        if mine:
+            dist.all_gather_object(every, mine, group=self.tp_group)
+        out = {}
+        for block in mine:
+            loads = [d[block] for d in every]
+            out[block] = dict(computed=loads, imbalance=distributed.balance.imbalance(loads))
+        return out
 
     @classmethod
     def from_engine(cls, path, *, device: str | None = None, dtype: torch.dtype | None = None, **kwargs) -> "Engine":
