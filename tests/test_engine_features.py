@@ -133,3 +133,18 @@ def test_a_model_that_keeps_its_state_outside_hfs_cache_is_refused(name, config,
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(name, **config)).eval()
     with pytest.raises(Unsupported, match=match):
         Engine(model, compile=None)
+
+
+def test_cross_attention_layers_on_text_prompts_equal_hf():
+    """Mllama's text model: its cross-attention layers run only on image states, which a text prompt has none of.
+    HF's generate leaves their cache layers empty and the model skips them; the engine's empty layers say the same
+    (not initialised), and its attention layers hold keys, as HF's do, when the model asks every layer."""
+    from transformers.models.mllama import MllamaForCausalLM, MllamaTextConfig
+    cfg = MllamaTextConfig(**{**TINY, "cross_attention_layers": [1, 3], "bos_token_id": 1, "eos_token_id": 2,
+                              "pad_token_id": 0})
+    torch.manual_seed(0)
+    model = MllamaForCausalLM(cfg).eval()
+    zoo._randomize_zero_init(model, 0)
+    want = _hf_greedy(model)
+    assert _engine(model, compile=None) == want
+    assert _engine(model, compile="hybrid-eager") == want

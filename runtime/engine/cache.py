@@ -163,6 +163,9 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.paged = False  # decode step read in place (attention.py; MLA: kernels/mla/ops.py)
         self.contiguous = False  # gathered keys / values returned contiguous (a model's own attention views them)
         self.is_initialized = True
+        # HF's layers hold their cached keys / values here and models test them (Mllama asks every layer whether it
+        # holds anything): the buffer stands for both; attention reads the step's rows through update()
+        self.keys = self.values = self.buf
 
     def lazy_initialization(self, key_states, value_states):  # buffers exist from the start
         return None
@@ -286,6 +289,16 @@ class PagedAttentionAndStateLayer(SlotStateLayer, PagedAttentionLayer):
         SlotStateLayer.__init__(self, num_state_rows, spec, device)
 
 
+class UnusedLayer(DummyLayer):
+    """A layer that caches nothing on the engine's steps (its HF layer was never written by the prefill): not
+    initialised, as HF's own was, so that a model asking whether it holds anything (Mllama's cross-attention layers
+    on a text-only prompt) sees it empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.is_initialized = False
+
+
 class PagedCache(Cache):
     def __init__(self, specs: list[LayerSpec], num_rows: int, num_state_rows: int, dtype, device,
                  latent: bool = False, block_size: int = 1, contiguous: bool = False):
@@ -294,7 +307,7 @@ class PagedCache(Cache):
                 return PagedAttentionAndStateLayer(num_rows, num_state_rows, s, dtype, device, latent, block_size)
             if s.keys:
                 return PagedAttentionLayer(num_rows, s.heads, s.k_dim, s.v_dim, dtype, device, latent, block_size)
-            return SlotStateLayer(num_state_rows, s, device) if s.states else DummyLayer()
+            return SlotStateLayer(num_state_rows, s, device) if s.states else UnusedLayer()
         layers = [layer(s) for s in specs]
         super().__init__(layers=layers)
         self.attention = [l for l in layers if isinstance(l, PagedAttentionLayer)]
