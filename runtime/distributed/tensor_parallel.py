@@ -16,7 +16,9 @@ With ``expert_parallel`` a MoE block's routed experts are split by index instead
 the combine is the same all-reduce and no all-to-all is needed).
 The sharded module's output is then a partial sum: the module is wrapped in ``AllReduced``, which sums it over the
 group with a functional collective (dynamo traces it; the region passes see the inner module whole and prove their
-rewrites on its partial outputs). Embeddings, norms and the LM head are replicated.
+rewrites on its partial outputs). The token embedding and the LM head are split by vocabulary rows (plain
+``nn.Embedding`` / ``nn.Linear`` only, one weight when tied): a masked lookup plus an all-reduce, and an all-gather of
+the logits so that every rank samples from the whole vocabulary. Norms are replicated.
 
 Nothing is sharded on faith. Each MLP and MoE block is probed before and after: the all-reduced output of the shards
 on a random input, with uninitialised memory filled with NaN, must equal the whole block's, or the block stays replicated (an expert layout tried in turn); a
@@ -233,6 +235,78 @@ class LocalExperts(nn.Module):
         return self.inner(hidden_states, index, weights, *args, **kwargs)
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, hi) of a token embedding: an id this rank holds looks up its row, any other gives zeros, and the
+    all-reduce sums the one row each id has on some rank."""
+
+    def __init__(self, weight: nn.Parameter, lo: int, hi: int, group):
+        super().__init__()
+        self.weight, self.lo, self.hi, self.group = weight, lo, hi, group
+        self.num_embeddings = hi - lo  # this rank's; the whole vocabulary is the model config's
+        self.embedding_dim = weight.shape[1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.lo) & (ids < self.hi)
+        rows = nn.functional.embedding(torch.where(mine, ids - self.lo, torch.zeros_like(ids)), self.weight)
+        return all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype), self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """Rows [lo, lo + per) of the LM head (zero rows past the vocabulary, so every rank's slice is ``per`` wide): each
+    rank computes its logits, an all-gather puts the whole vocabulary on every rank (samplers see every logit)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, lo: int, per: int, vocab: int, group):
+        super().__init__()
+        self.weight, self.bias, self.lo, self.per, self.vocab, self.group = weight, bias, lo, per, vocab, group
+        self.in_features, self.out_features = weight.shape[1], vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+        local = nn.functional.linear(x, self.weight, self.bias)  # [..., per]
+        world = dist.get_world_size(self.group)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the newer name where it exists
+        parts = gather(local.reshape(1, -1, self.per).contiguous(), 0, self.group)  # [W, N, per]
+        return parts.permute(1, 0, 2).reshape(*x.shape[:-1], world * self.per)[..., :self.vocab]
+
+
+def _rows_padded(w: torch.Tensor, lo: int, per: int) -> torch.Tensor:
+    """Rows [lo, lo + per) of ``w``, zero rows past its end."""
+    out = w.new_zeros(per, *w.shape[1:])
+    n = max(0, min(per, w.shape[0] - lo))
+    out[:n] = w[lo:lo + n]
+    return out
+
+
+def _shard_vocab(model: nn.Module, rank: int, world: int, group) -> tuple[list[str], list[str]]:
+    """The token embedding and the LM head split by vocabulary rows (one weight when they are tied): (split, kept)."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    vocab = emb.num_embeddings if isinstance(emb, nn.Embedding) else None
+    split, kept = [], []
+    plain_emb = type(emb) is nn.Embedding and emb.max_norm is None and vocab is not None
+    plain_head = type(head) is nn.Linear and vocab is not None and head.out_features == vocab
+    tied = plain_head and head.weight is getattr(emb, "weight", None)
+    if not plain_emb:
+        kept.append(f"embeddings kept whole ({type(emb).__name__}: only a plain nn.Embedding is split)")
+    if not plain_head:
+        kept.append(f"LM head kept whole ({type(head).__name__}: only a plain nn.Linear over the embedding's "
+                    "vocabulary is split)")
+    if tied and not plain_emb:  # one weight for both: split both or neither
+        return split, kept + ["LM head kept whole (tied to the embeddings, which stay whole)"]
+    per = -(-vocab // world) if vocab else 0
+    lo = rank * per
+    shared = None
+    if plain_emb:
+        shared = nn.Parameter(_rows_padded(emb.weight.data, lo, per), requires_grad=False)
+        model.set_input_embeddings(VocabParallelEmbedding(shared, lo, min(vocab, lo + per), group))
+        split.append(f"embeddings: rows {lo}-{min(vocab, lo + per) - 1} of {vocab}")
+    if plain_head:
+        weight = shared if tied else nn.Parameter(_rows_padded(head.weight.data, lo, per), requires_grad=False)
+        bias = None if head.bias is None else nn.Parameter(_rows_padded(head.bias.data, lo, per), requires_grad=False)
+        model.set_output_embeddings(VocabParallelHead(weight, bias, lo, per, vocab, group))
+        split.append(f"LM head: rows {lo}-{min(vocab, lo + per) - 1} of {vocab}" + (" (tied)" if tied else ""))
+    return split, kept
+
+
 def _fused_experts(m: nn.Module) -> bool:
     return isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and \
         isinstance(getattr(m, "down_proj", None), nn.Parameter)
@@ -398,6 +472,9 @@ def shard_model(model: nn.Module, group=None, expert_parallel: bool = False,
                 report.split.append(f"{path}: MLP, {what}")
             else:
                 report.replicated.append(f"{path}: MLP kept whole ({what})")
+    split, kept = _shard_vocab(model, rank, world, group)
+    report.split += split
+    report.replicated += kept
     got = model(prompt, use_cache=False).logits
     err = _rel_err(got, want)
     if not err <= tol:
