@@ -388,7 +388,12 @@ def engine_stage(model, engine_prompts, ref: list[list[int]]) -> dict:
         if "\n" not in str(e).strip():
             return dict(outcome="refused", reason=f"{type(e).__name__}: {str(e).strip()}")
         raise
-    outs = engine.generate(engine_prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    try:
+        outs = engine.generate(engine_prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    except ValueError as e:  # requests the engine refuses in one line (e.g. beyond the lengths it runs exactly)
+        if "\n" not in str(e).strip():
+            return dict(outcome="refused", reason=f"{type(e).__name__}: {str(e).strip()}")
+        raise
     errors = [o.error for o in outs if getattr(o, "error", None)]
     if errors:
         return dict(outcome="crash", reason=f"request failed: {errors[0]}")

@@ -148,3 +148,21 @@ def test_cross_attention_layers_on_text_prompts_equal_hf():
     want = _hf_greedy(model)
     assert _engine(model, compile=None) == want
     assert _engine(model, compile="hybrid-eager") == want
+
+
+def test_a_cache_window_the_attention_does_not_apply_caps_the_length():
+    """Moshi's config has a sliding window that HF's cache keeps (older keys dropped) but its attention call does not
+    pass, so HF's cached generate and its own forward part ways past the window. The engine caps sequences at the
+    window, where both agree: its tokens equal HF's there, and a longer request is refused in one line."""
+    model = _model("moshi", sliding_window=8)
+    engine = Engine(model, compile=None, block_size=4)
+    assert engine.max_model_len == 8
+    prompts = [[5, 6, 7], [20, 21, 22, 23]]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
+    with pytest.raises(ValueError, match="exceeds the model's maximum length of 8 tokens"):
+        engine.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4))
+    mistral = Engine(_model("mistral", sliding_window=8), compile=None)  # its attention applies the window
+    assert mistral.max_model_len == 256

@@ -39,6 +39,9 @@ class LayerSpec:
     ssm_dtype: torch.dtype = torch.float32
     #: sliding-window attention: the window HF's cache keeps (the attention function applies it, attention.py)
     window: int | None = None
+    #: HF's cache keeps only ``window`` keys but the layer's attention call passes no window: HF's cached generate
+    #: then differs from the model's own forward once a sequence is longer than the window (engine.py caps lengths)
+    window_unapplied: bool = False
 
     @property
     def keys(self) -> bool:
@@ -58,6 +61,34 @@ class LayerSpec:
         return n(self.conv_shape) * self.conv_dtype.itemsize + n(self.ssm_shape) * self.ssm_dtype.itemsize
 
 
+class _windows_passed:
+    """Records, per layer index, whether the model's attention call passed a ``sliding_window`` (through HF's
+    attention interface for the model's implementation; models calling their own code are not seen)."""
+
+    def __init__(self, model):
+        self.impl = getattr(model.config.get_text_config(), "_attn_implementation", None)
+
+    def __enter__(self) -> dict[int, bool]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as fns
+        self.passed: dict[int, bool] = {}
+        self.fns, self.saved = fns, fns._local_mapping.get(self.impl)
+        inner = fns.get(self.impl) if self.impl else None
+        if inner is not None:
+            def recording(module, *args, sliding_window=None, **kwargs):
+                idx = getattr(module, "layer_idx", None)
+                if isinstance(idx, int):
+                    self.passed[idx] = self.passed.get(idx, False) or bool(sliding_window)
+                return inner(module, *args, sliding_window=sliding_window, **kwargs)
+            fns._local_mapping[self.impl] = recording
+        return self.passed
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.fns._local_mapping[self.impl] = self.saved
+        else:
+            self.fns._local_mapping.pop(self.impl, None)
+
+
 def discover_layers(model, kwarg: str) -> list[LayerSpec]:
     """Run a 2-token prefill with HF's own DynamicCache and read what every layer cached (features.py says which
     cache layers the engine runs; others raise ``Unsupported``)."""
@@ -65,7 +96,7 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _windows_passed(model) as passed:
             model(torch.tensor([[1, 2]], device=device), use_cache=True, **{kwarg: cache})
     except Exception as e:  # noqa: BLE001  (the model keeps a cache of its own kind)
         raise Unsupported(f"{type(model).__name__}'s cache: a prefill with HF's DynamicCache failed "
@@ -83,6 +114,9 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
         if spec.keys:
             k, v = layer.keys, layer.values
             spec.window = getattr(layer, "sliding_window", None)
+            i = len(specs)
+            if spec.window and i in passed and not passed[i]:
+                spec.window_unapplied = True  # HF's cache drops keys its attention call would still have used
             if k.shape[-2] != 2 and not spec.window:  # a window shorter than 2 may keep fewer rows
                 raise Unsupported(f"a model that caches {k.shape[-2]} key rows for a 2-token prompt (it adds tokens "
                                   "of its own, e.g. a learned prompt); the engine writes one cache row per token")

@@ -122,6 +122,12 @@ class Engine:
             check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
             self._shard(model, tensor_parallel, expert_parallel, expert_placement)
             specs = discover_layers(model, cache_kwarg(model))
+        unapplied = [s.window for s in specs if s.window_unapplied]
+        if unapplied and (self.max_model_len is None or self.max_model_len > min(unapplied)):
+            self.max_model_len = min(unapplied)
+            log.warning("hybrid engine: %s's cache keeps a sliding window of %d keys that its attention does not apply "
+                        "(HF's generate with a cache and its own forward differ past it): sequences are limited to %d "
+                        "tokens, where both agree", type(model).__name__, self.max_model_len, self.max_model_len)
         has_attn = any(s.keys for s in specs)
         has_ssm = any(s.states for s in specs)
         # long prompts are prefilled in chunks of max_prefill_tokens, except where an SSM mixer would not continue
