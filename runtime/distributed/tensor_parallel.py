@@ -178,11 +178,11 @@ def _shard_fused_experts(m: nn.Module, layout: str, rank: int, world: int, hidde
         raise ValueError(f"expert width {width} does not split over {world} ranks")
     own = _share(width, rank, world)
     gu_idx = torch.cat([own, own + width]) if layout == "halves" else torch.stack([2 * own, 2 * own + 1], 1).view(-1)
-    m.gate_up_proj = nn.Parameter(gu.data.index_select(gu_dim, gu_idx).clone(), requires_grad=False)
+    m.gate_up_proj = nn.Parameter(gu.data.index_select(gu_dim, gu_idx.to(gu.device)).clone(), requires_grad=False)
     bias = getattr(m, "gate_up_proj_bias", None)
     if isinstance(bias, nn.Parameter):
-        m.gate_up_proj_bias = nn.Parameter(bias.data[:, gu_idx].clone(), requires_grad=False)
-    m.down_proj = nn.Parameter(down.data.index_select(2 if inner_last else 1, own).clone(), requires_grad=False)
+        m.gate_up_proj_bias = nn.Parameter(bias.data[:, gu_idx.to(bias.device)].clone(), requires_grad=False)
+    m.down_proj = nn.Parameter(down.data.index_select(2 if inner_last else 1, own.to(down.device)).clone(), requires_grad=False)
     bias = getattr(m, "down_proj_bias", None)
     if isinstance(bias, nn.Parameter) and rank != 0:
         m.down_proj_bias = nn.Parameter(torch.zeros_like(bias.data), requires_grad=False)
