@@ -161,6 +161,31 @@ def decode_sweep(dev) -> list[dict]:
     return rows
 
 
+def prefill_sweep(dev, T: int = 4096) -> list[dict]:
+    """The prefill kernels' warps and chunk length at T = 4K, both shapes: GPU time per kernel (bench/TUNING.md)."""
+    from kernels.delta import triton_chunk
+    from kernels.delta.triton_config import CONFIG
+    rows, saved = [], dict(CONFIG["chunk"])
+    for name, s in SHAPES.items():
+        q, k, v, g, beta = inputs(1, T, s["HK"], s["HV"], s["K"], s["V"], s["per_channel"], dev)
+        for C, warps in ((64, 4), (64, 8), (32, 4), (32, 8)):
+            CONFIG["chunk"].update(C=C, prepare_warps=warps, state_warps=warps, output_warps=warps)
+            triton_chunk._CHUNK_FITS.clear()
+            row = dict(section="prefill_sweep", shape=name, T=T, C=C, warps=warps)
+            try:
+                fn = lambda: triton_chunk.delta_rule_chunk_triton(q, k, v, g, beta, s["K"] ** -0.5)  # noqa: E731
+                row.update(ms=cuda_ms(fn), kernels_ms=kernel_times(fn), C_run=triton_chunk._CHUNK_FITS.get(
+                    (s["K"], s["V"], s["per_channel"], v.dtype, v.device)))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log("sweep", row)
+            rows.append(row)
+    CONFIG["chunk"].clear()
+    CONFIG["chunk"].update(saved)
+    triton_chunk._CHUNK_FITS.clear()
+    return rows
+
+
 def decode_rows(batches, fla, dev):
     from kernels.delta.triton_step import delta_rule_step_triton
     rows = []
@@ -220,14 +245,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sections", default="prefill,decode,decode_sweep",
+                    help="comma-separated: prefill, decode, prefill_sweep, decode_sweep")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     dev = "cuda"
     fla = fla_fns()
     lengths, batches = ([256], [2]) if args.smoke else ([4096, 16384, 32768], [1, 64, 256])
-    rows = prefill_rows(lengths, fla, dev, lambda done: write(args.out, "delta", done, table_md(done)))
-    rows += decode_rows(batches, fla, dev)
+    rows = []
+    if "prefill" in sections:
+        rows += prefill_rows(lengths, fla, dev, lambda done: write(args.out, "delta", done, table_md(done)))
+    if "decode" in sections:
+        rows += decode_rows(batches, fla, dev)
     write(args.out, "delta", rows, table_md(rows))
-    sweep = decode_sweep(dev)
+    sweep = (prefill_sweep(dev) if "prefill_sweep" in sections else []) + \
+        (decode_sweep(dev) if "decode_sweep" in sections else [])
     md = table_md(rows) + "\n\n" + "\n".join(f"- {r}" for r in sweep)
     rows += sweep
     print(md)

@@ -1,15 +1,18 @@
-"""Chunked prefill of the gated delta rule in Triton (the math of reference.delta_rule_chunked), two kernels:
+"""Chunked prefill of the gated delta rule in Triton (the math of reference.delta_rule_chunked), three kernels:
 
 1. ``_chunk_prepare``, one program per (chunk, value head), all chunks in parallel: the in-chunk cumulative decay G,
-   the UT system L = strict_lower(beta_i k_i.k_j exp(G_i - G_j)) inverted by forward substitution (stable where
-   a product formula is not: L's powers grow binomially for near-equal keys), w = (I + L)^-1 (beta k exp(G)),
+   the UT system L = strict_lower(beta_i k_i.k_j exp(G_i - G_j)) inverted blockwise (``_solve_unit_lower``:
+   16 x 16 diagonal blocks by forward substitution, stable where a product formula is not, since L's powers grow
+   binomially for near-equal keys; the blocks below by products of those), w = (I + L)^-1 (beta k exp(G)),
    u = (I + L)^-1 (beta v) and the in-chunk attention Aqk = tril(scale q_i.k_j exp(G_i - G_j)), all fp32 scratch.
    With a decay per key channel (Kimi Delta Attention) exp(G_i - G_j) differs per channel: the pairwise products
    are taken on 16 x 16 sub-blocks, off-diagonal ones as (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)) with G_r the
    decay at the first row of block i (both factors <= 1, no overflow), diagonal ones channel by channel.
 2. ``_chunk_state``, one program per (sequence, value head, block of V columns), sequential over the sequence's
-   chunks with the state block [K, BV] in registers (fp32): v' = u - w S, o = (q exp(G)) S + Aqk v',
-   S <- exp(G_last) S + (k exp(G_last - G))^T v'; initial and final states per sequence.
+   chunks with the state block [K, BV] in registers (fp32): stores the state each chunk starts from and
+   v' = u - w S, then S <- exp(G_last) S + (k exp(G_last - G))^T v'; initial and final states per sequence.
+3. ``_chunk_output``, one program per (chunk, value head, block of V columns), all chunks in parallel:
+   o = (q exp(G)) S_chunk + Aqk v'.
 
 Sequences are packed along one token axis (``cu_seqlens``); a [B, T] batch is B sequences of T. The chunk table is
 built on the device (no host sync), so a launch records into a CUDA graph.
@@ -79,11 +82,48 @@ def _decay_pairs(x_ptr, k_ptr, G_ptr, base, C, stride_xt, stride_kt, stride_gt, 
 
 
 @triton.jit
+def _solve_unit_lower(Lh, start, end, sL, C: tl.constexpr, SUB: tl.constexpr):
+    """(I + L)^-1 in place of the strictly lower [C, C] L of one chunk (rows from ``start``, row stride ``sL``),
+    blocked: each SUB x SUB diagonal block inverted by forward substitution (SUB - 1 row steps), then the blocks
+    below the diagonal row by row, T_IJ = -T_II sum_{J <= M < I} L_IM T_MJ. Rows past ``end`` are neither read nor
+    written (they belong to the next chunk's tokens)."""
+    jj = tl.arange(0, SUB)
+    eye = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
+    for I in tl.static_range(C // SUB):
+        ri = start + I * SUB + jj
+        ci = I * SUB + jj
+        T = eye
+        for i in tl.static_range(1, SUB):
+            r = start + I * SUB + i + 0 * jj  # row i of the block, broadcast over the columns
+            l_i = tl.load(Lh + r * sL + ci, mask=(jj < i) & (r < end), other=0.0)
+            t_i = tl.where(jj == i, 1.0, 0.0) - tl.sum(l_i[:, None] * T, axis=0)
+            T = tl.where(jj[:, None] == i, t_i[None, :], T)
+        tl.debug_barrier()  # every row of the block is read before the inverse overwrites it
+        tl.store(Lh + ri[:, None] * sL + ci[None, :], T, mask=(ri < end)[:, None])
+    tl.debug_barrier()
+    for I in tl.static_range(1, C // SUB):
+        ri = start + I * SUB + jj
+        mi = (ri < end)[:, None]
+        Tii = tl.load(Lh + ri[:, None] * sL + (I * SUB + jj)[None, :], mask=mi, other=0.0)
+        for J in tl.static_range(I):
+            acc = tl.zeros([SUB, SUB], dtype=tl.float32)
+            for M in tl.static_range(J, I):
+                rm = start + M * SUB + jj
+                Lim = tl.load(Lh + ri[:, None] * sL + (M * SUB + jj)[None, :], mask=mi, other=0.0)
+                Tmj = tl.load(Lh + rm[:, None] * sL + (J * SUB + jj)[None, :], mask=(rm < end)[:, None], other=0.0)
+                acc += tl.dot(Lim, Tmj, input_precision="ieee")
+            Tij = -tl.dot(Tii, acc, input_precision="ieee")
+            tl.debug_barrier()  # L_IJ (read above) is replaced by T_IJ; later J read only L_IM with M > J
+            tl.store(Lh + ri[:, None] * sL + (J * SUB + jj)[None, :], Tij, mask=mi)
+        tl.debug_barrier()  # row block I is complete before the next one reads it
+
+
+@triton.jit
 def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr, kd_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
                    stride_bt, stride_bh, HV, REP, K, V, scale,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr,
-                   PER_CHANNEL: tl.constexpr, L2: tl.constexpr):
+                   PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(chunks_ptr + 2 * c)
@@ -102,15 +142,15 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
     # scratch rows: token-major [tokens, HV, D]
     Gh = G_ptr + hv * BK
     sG = HV * BK
+    Lh = L_ptr + hv * C  # beta_i L_ij, then (I + L)^-1 in its place
+    sL = HV * C
     ii = tl.arange(0, C)
     if PER_CHANNEL:
         g = _rows(g_ptr + hv * stride_gh, rows, m, stride_gt, ck, K, False)
         G = tl.cumsum(g, axis=0)  # [C, BK]
         tl.store(Gh + rows[:, None] * sG + ck[None, :], G, mask=m[:, None])
         tl.debug_barrier()  # the sub-blocks below read G back
-        Lh = L_ptr + hv * C
         Ah = A_ptr + hv * C
-        sL = HV * C
         for I in tl.static_range(C // SUB):
             ri = start + I * SUB + tl.arange(0, SUB)
             for J in tl.static_range(I + 1):
@@ -122,10 +162,11 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
                 tl.store(Lh + ri[:, None] * sL + cj[None, :], lk, mask=(ri < end)[:, None])
                 tl.store(Ah + ri[:, None] * sL + cj[None, :], aq, mask=(ri < end)[:, None])
         tl.debug_barrier()
-        # only blocks on and below the diagonal were written: mask the rest away
+        # only blocks on and below the diagonal were written: mask the rest away, then scale the rows by beta
         L = tl.load(Lh + rows[:, None] * sL + ii[None, :], mask=m[:, None] & (ii[:, None] > ii[None, :]),
                     other=0.0)
-        L = L * beta[:, None]
+        tl.debug_barrier()
+        tl.store(Lh + rows[:, None] * sL + ii[None, :], L * beta[:, None], mask=m[:, None])
         decay_k = tl.exp(G)
         Gl = tl.sum(tl.where(ii[:, None] == end - 1 - start, G, 0.0), axis=0)  # [BK]: the chunk's last row
         kd = kx * tl.exp(Gl[None, :] - G)
@@ -136,23 +177,21 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
         qx = _rows(qh, rows, m, stride_qt, ck, K, L2) * scale
         e = tl.where(ii[:, None] >= ii[None, :], G[:, None] - G[None, :], float("-inf"))
         pair = tl.exp(e)
-        L = tl.dot(kx, tl.trans(kx), input_precision="ieee") * pair
+        L = tl.dot(kx, tl.trans(kx), input_precision=PREC) * pair
         L = tl.where(ii[:, None] > ii[None, :], L, 0.0) * beta[:, None]
-        Aqk = tl.dot(qx, tl.trans(kx), input_precision="ieee") * pair
+        tl.store(Lh + rows[:, None] * sL + ii[None, :], L, mask=m[:, None])
+        Aqk = tl.dot(qx, tl.trans(kx), input_precision=PREC) * pair
         tl.store(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :], Aqk, mask=m[:, None])
         decay_k = tl.exp(G)[:, None]
         Gl = tl.sum(tl.where(ii == end - 1 - start, G, 0.0), axis=0)
         kd = kx * tl.exp(Gl - G)[:, None]
-    # (I + L)^-1 row by row: T_i = e_i - sum_{j<i} L_ij T_j (L_ij = 0 for j >= i)
-    Tm = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        l_i = tl.sum(tl.where(ii[:, None] == i, L, 0.0), axis=0)  # row i of L, [C]
-        t_i = tl.where(ii == i, 1.0, 0.0) - tl.sum(l_i[:, None] * Tm, axis=0)
-        Tm = tl.where(ii[:, None] == i, t_i[None, :], Tm)
+    tl.debug_barrier()  # the solve reads L back block by block
+    _solve_unit_lower(Lh, start, end, sL, C, SUB)
+    Tm = tl.load(Lh + rows[:, None] * sL + ii[None, :], mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
     vx = tl.load(v_ptr + hv * stride_vh + rows[:, None] * stride_vt + cv[None, :],
                  mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-    u = tl.dot(Tm, vx * beta[:, None], input_precision="ieee")
-    w = tl.dot(Tm, kx * beta[:, None] * decay_k, input_precision="ieee")
+    u = tl.dot(Tm, vx * beta[:, None], input_precision=PREC)
+    w = tl.dot(Tm, kx * beta[:, None] * decay_k, input_precision=PREC)
     tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u, mask=m[:, None])
     tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], w, mask=m[:, None])
     # the keys as the state update reads them: k exp(G_last - G), zero past the end
@@ -308,21 +347,22 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     kd = torch.empty(total, HV, BK, **f32)
     u = torch.empty(total, HV, BVF, **f32)
     A = torch.empty(total, HV, C, **f32)
-    Ls = torch.empty(total, HV, C, **f32) if per_channel else A
+    Ls = torch.empty(total, HV, C, **f32)
     chunks, first = chunk_table(cu_seqlens, total, C)
+    # fp32 inputs keep fp32 products; 16-bit inputs carry less precision than tf32 keeps
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
     slots = chunks.shape[0]
     _chunk_prepare[(slots, HV)](
         qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls, kd,
         qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), HV, HV // HK, K, V, scale,
-        C=C, BK=BK, BV=BVF, SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel, L2=use_l2norm,
+        C=C, BK=BK, BV=BVF, SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel, L2=use_l2norm, PREC=prec,
         num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
     final = torch.empty(N, HV, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else final
     hc = torch.empty(slots, HV, BK, BVF, **f32)  # the state each chunk starts from
     vn = torch.empty(total, HV, BVF, **f32)
     BV = min(BVF, cfg["BV"])
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"
     _chunk_state[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, first, Gs, w, u, kd, h0, final, hc, vn, HV, K, V, C=C, BK=BK, BV=BV, BVF=BVF,
         PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"],
