@@ -4,7 +4,7 @@
    the UT system L = strict_lower(beta_i k_i.k_j exp(G_i - G_j)) inverted blockwise (``_solve_unit_lower``:
    16 x 16 diagonal blocks by forward substitution, stable where a product formula is not, since L's powers grow
    binomially for near-equal keys; the blocks below by products of those), w = (I + L)^-1 (beta k exp(G)),
-   u = (I + L)^-1 (beta v) and the in-chunk attention Aqk = tril(scale q_i.k_j exp(G_i - G_j)), all fp32 scratch.
+   u = (I + L)^-1 (beta v) and the in-chunk attention Aqk = tril(scale q_i.k_j exp(G_i - G_j)).
    With a decay per key channel (Kimi Delta Attention) exp(G_i - G_j) differs per channel: the pairwise products
    are taken on 16 x 16 sub-blocks, off-diagonal ones as (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)) with G_r the
    decay at the first row of block i (both factors <= 1, no overflow), diagonal ones channel by channel.
@@ -160,7 +160,7 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
                 aq = _decay_pairs(qh, kh, Gh, start, C, stride_qt, stride_kt, sG, I, J, K, scale, SUB, BK, BKS,
                                   L2, True, end)
                 tl.store(Lh + ri[:, None] * sL + cj[None, :], lk, mask=(ri < end)[:, None])
-                tl.store(Ah + ri[:, None] * sL + cj[None, :], aq, mask=(ri < end)[:, None])
+                tl.store(Ah + ri[:, None] * sL + cj[None, :], aq.to(A_ptr.dtype.element_ty), mask=(ri < end)[:, None])
         tl.debug_barrier()
         # only blocks on and below the diagonal were written: mask the rest away, then scale the rows by beta
         L = tl.load(Lh + rows[:, None] * sL + ii[None, :], mask=m[:, None] & (ii[:, None] > ii[None, :]),
@@ -181,7 +181,8 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
         L = tl.where(ii[:, None] > ii[None, :], L, 0.0) * beta[:, None]
         tl.store(Lh + rows[:, None] * sL + ii[None, :], L, mask=m[:, None])
         Aqk = tl.dot(qx, tl.trans(kx), input_precision=PREC) * pair
-        tl.store(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :], Aqk, mask=m[:, None])
+        tl.store(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :], Aqk.to(A_ptr.dtype.element_ty),
+                 mask=m[:, None])
         decay_k = tl.exp(G)[:, None]
         Gl = tl.sum(tl.where(ii == end - 1 - start, G, 0.0), axis=0)
         kd = kx * tl.exp(Gl - G)[:, None]
@@ -192,10 +193,11 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
                  mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
     u = tl.dot(Tm, vx * beta[:, None], input_precision=PREC)
     w = tl.dot(Tm, kx * beta[:, None] * decay_k, input_precision=PREC)
-    tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u, mask=m[:, None])
-    tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], w, mask=m[:, None])
+    sd = u_ptr.dtype.element_ty
+    tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u.to(sd), mask=m[:, None])
+    tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], w.to(sd), mask=m[:, None])
     # the keys as the state update reads them: k exp(G_last - G), zero past the end
-    tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], tl.where(m[:, None], kd, 0.0),
+    tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], tl.where(m[:, None], kd, 0.0).to(sd),
              mask=m[:, None])
 
 
@@ -224,13 +226,17 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
         rows = start + ii
         m = rows < eos
         last = tl.minimum(start + C, eos) - 1
-        tl.store(hc_ptr + (slot * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :], h)
-        w = tl.load(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
-        kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
+        tl.store(hc_ptr + (slot * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :],
+                 h.to(hc_ptr.dtype.element_ty))
+        w = tl.load(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None],
+                    other=0.0).to(tl.float32)
+        kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None],
+                     other=0.0).to(tl.float32)
         u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
-                    mask=m[:, None] & (cv[None, :] < V), other=0.0)
+                    mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
         v_new = u - tl.dot(w, h, input_precision=PREC)
-        tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new, mask=m[:, None])
+        tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new.to(vn_ptr.dtype.element_ty),
+                 mask=m[:, None])
         if PER_CHANNEL:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK) + ck))[:, None]
         else:
@@ -266,10 +272,11 @@ def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride
     else:
         G = tl.load(G_ptr + hv * BK + rows * (HV * BK), mask=m, other=0.0)
         qd = qx * tl.exp(G)[:, None]
-    h = tl.load(hc_ptr + (c * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :])
+    h = tl.load(hc_ptr + (c * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :]).to(tl.float32)
     Aqk = tl.load(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :],
-                  mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
-    vn = tl.load(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], mask=m[:, None], other=0.0)
+                  mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0).to(tl.float32)
+    vn = tl.load(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], mask=m[:, None],
+                 other=0.0).to(tl.float32)
     o = tl.dot(qd, h, input_precision=PREC) + tl.dot(Aqk, vn, input_precision=PREC)
     tl.store(o_ptr + hv * stride_oh + rows[:, None] * stride_ot + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=m[:, None] & (cv[None, :] < V))
@@ -342,11 +349,14 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     gf = _head_view(g) if per_channel else g.reshape(total, HV)
     bf = beta.reshape(total, HV)
     f32 = dict(dtype=torch.float32, device=v.device)
+    # what the passes hand on to the next kernel is kept in the inputs' precision (fp32 for fp32 inputs): the decays
+    # and the UT system stay fp32, every state is accumulated in fp32 registers
+    scr = dict(dtype=torch.float32 if v.dtype == torch.float32 else v.dtype, device=v.device)
     Gs = torch.empty(total, HV, BK, **f32)  # the in-chunk cumulative decay; a scalar decay uses column 0
-    w = torch.empty(total, HV, BK, **f32)
-    kd = torch.empty(total, HV, BK, **f32)
-    u = torch.empty(total, HV, BVF, **f32)
-    A = torch.empty(total, HV, C, **f32)
+    w = torch.empty(total, HV, BK, **scr)
+    kd = torch.empty(total, HV, BK, **scr)
+    u = torch.empty(total, HV, BVF, **scr)
+    A = torch.empty(total, HV, C, **scr)
     Ls = torch.empty(total, HV, C, **f32)
     chunks, first = chunk_table(cu_seqlens, total, C)
     # fp32 inputs keep fp32 products; 16-bit inputs carry less precision than tf32 keeps
@@ -360,8 +370,8 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
         num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
     final = torch.empty(N, HV, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else final
-    hc = torch.empty(slots, HV, BK, BVF, **f32)  # the state each chunk starts from
-    vn = torch.empty(total, HV, BVF, **f32)
+    hc = torch.empty(slots, HV, BK, BVF, **scr)  # the state each chunk starts from
+    vn = torch.empty(total, HV, BVF, **scr)
     BV = min(BVF, cfg["BV"])
     _chunk_state[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, first, Gs, w, u, kd, h0, final, hc, vn, HV, K, V, C=C, BK=BK, BV=BV, BVF=BVF,

@@ -157,3 +157,16 @@ def test_chunk_length_halves_where_shared_memory_is_short(monkeypatch):
     assert seen == [64, 32]
     delta_rule_chunk_triton(q, k, v, g, beta, 0.25)
     assert seen == [64, 32, 32]  # the length that fits is remembered
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 needs the GPU (the CPU interpreter computes bf16 wrongly)")
+@pytest.mark.parametrize("pc", [False, True], ids=["head", "ch"])
+def test_bf16_inputs_keep_bf16_precision(pc):
+    """16-bit inputs: scratch between the kernels in bf16, states and the UT system in fp32; the model's head sizes,
+    three chunks and a partial one, an initial state: within bf16's precision of the fp32 recurrence."""
+    q, k, v, g, beta = inputs(2, 200, 2, 4, 128, 128, pc, seed=13)
+    s0 = torch.randn(2, 4, 128, 128, device=DEV) * 0.1
+    want = ref.delta_rule_recurrent(q, k, v, g, beta, 128 ** -0.5, s0)
+    got = delta_rule_chunk_triton(*[x.bfloat16() for x in (q, k, v)], g, beta.bfloat16(), 128 ** -0.5, s0)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    close(got[0], want[0], 2e-2), close(got[1], want[1], 2e-2)
