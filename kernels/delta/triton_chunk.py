@@ -19,6 +19,8 @@ built on the device (no host sync), so a launch records into a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -302,6 +304,14 @@ def chunk_table(cu_seqlens: torch.Tensor, total: int, chunk: int) -> tuple[torch
     return table, (ends - counts).to(torch.int32)
 
 
+@functools.lru_cache(maxsize=64)
+def _uniform_tables(B: int, T: int, C: int, device: torch.device):
+    """cu_seqlens and the chunk table of B sequences of T tokens: built once per shape (a dozen small launches a
+    prefill would otherwise pay every call); kept alive here, so a CUDA graph may read them."""
+    cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int32)
+    return cu, chunk_table(cu, B * T, C)
+
+
 def _head_view(x: torch.Tensor) -> torch.Tensor:
     """[B, T, H, D] as a packed [B * T, H, D] view (copying only when the strides do not allow one)."""
     B, T = x.shape[:2]
@@ -341,9 +351,11 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     per_channel = g.dim() == 4
     cfg = CONFIG["chunk"]
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=v.device, dtype=torch.int32)
     total = B * T
+    if cu_seqlens is None:
+        cu_seqlens, (chunks, first) = _uniform_tables(B, T, C, v.device)
+    else:
+        chunks, first = chunk_table(cu_seqlens, total, C)
     N = cu_seqlens.numel() - 1
     qf, kf, vf = _head_view(q), _head_view(k), _head_view(v)
     gf = _head_view(g) if per_channel else g.reshape(total, HV)
@@ -358,7 +370,6 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     u = torch.empty(total, HV, BVF, **scr)
     A = torch.empty(total, HV, C, **scr)
     Ls = torch.empty(total, HV, C, **f32)
-    chunks, first = chunk_table(cu_seqlens, total, C)
     # fp32 inputs keep fp32 products; 16-bit inputs carry less precision than tf32 keeps
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
     slots = chunks.shape[0]
