@@ -247,11 +247,24 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sections", default="prefill,decode,decode_sweep",
                     help="comma-separated: prefill, decode, prefill_sweep, decode_sweep")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--no-fla", action="store_true", help="leave out the fla baseline (its first calls autotune)")
+    ap.add_argument("--lengths", help="comma-separated prefill lengths (default 4096,16384,32768)")
+    ap.add_argument("--chunk-config", help='JSON over kernels/delta CONFIG["chunk"], e.g. \'{"state_stages": 2}\'')
     args = ap.parse_args()
+    if args.chunk_config:
+        import json
+
+        from kernels.delta.triton_config import CONFIG
+        CONFIG["chunk"].update(json.loads(args.chunk_config))
     sections = set(args.sections.split(","))
+    for name in set(SHAPES) - set(args.shapes.split(",")):
+        SHAPES.pop(name)
     dev = "cuda"
-    fla = fla_fns()
+    fla = None if args.no_fla else fla_fns()
     lengths, batches = ([256], [2]) if args.smoke else ([4096, 16384, 32768], [1, 64, 256])
+    if args.lengths:
+        lengths = [int(t) for t in args.lengths.split(",")]
     rows = []
     if "prefill" in sections:
         rows += prefill_rows(lengths, fla, dev, lambda done: write(args.out, "delta", done, table_md(done)))

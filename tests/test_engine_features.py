@@ -3,6 +3,8 @@ sliding windows per layer, learned sinks and logit soft-capping give HF generate
 paged keys, uncompiled and compiled; ALiBi, shared KV, chunked and non-causal attention are refused by name."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -166,3 +168,37 @@ def test_a_cache_window_the_attention_does_not_apply_caps_the_length():
         engine.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4))
     mistral = Engine(_model("mistral", sliding_window=8), compile=None)  # its attention applies the window
     assert mistral.max_model_len == 256
+
+
+def test_a_model_whose_forward_cannot_run_over_the_cache_is_refused_at_construction():
+    """XLM slices its inputs by the cache length and builds masks from the full sequence: the construction's probe
+    request fails inside HF's code, and the engine refuses the model in one line naming where (not each request
+    later with finish_reason='error')."""
+    cfg = transformers.XLMConfig(vocab_size=128, emb_dim=32, n_layers=2, n_heads=2, max_position_embeddings=64,
+                                 causal=True)
+    torch.manual_seed(0)
+    model = transformers.XLMWithLMHeadModel(cfg).eval()
+    with pytest.raises(Unsupported) as info:
+        Engine(model, compile=None, max_num_seqs=2, block_size=4, cache_memory=8 << 20)
+    message = str(info.value)
+    assert "\n" not in message and "probe request failed" in message and "modeling_xlm.py" in message
+
+
+def test_a_batched_prefill_that_fails_on_the_probe_makes_prefills_single(monkeypatch, caplog):
+    """A model whose forward raises on several prompts at once (and runs one prompt): the probe turns batched
+    prefill off, and the requests then give HF generate's tokens (one prompt per prefill step)."""
+    model = _model("llama")
+    want = _hf_greedy(model)
+    real = model.forward
+
+    @functools.wraps(real)  # the same signature: the engine finds the cache argument
+    def one_prompt_prefills(input_ids=None, **kw):
+        if input_ids.shape[0] > 1 and input_ids.shape[1] > 1:
+            raise RuntimeError("this forward prefills one prompt at a time")
+        return real(input_ids=input_ids, **kw)
+    monkeypatch.setattr(model, "forward", one_prompt_prefills)
+    engine = Engine(model, compile=None, max_num_seqs=4, block_size=4, cache_memory=8 << 20)
+    assert engine.scheduler.max_prefill_seqs == 1 and "batched prefill failed" in engine.prefill_batch_note
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [list(o.token_ids) for o in outs] == want
+    assert engine.stats["failed_steps"] == 0

@@ -230,20 +230,19 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
         last = tl.minimum(start + C, eos) - 1
         tl.store(hc_ptr + (slot * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :],
                  h.to(hc_ptr.dtype.element_ty))
-        w = tl.load(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None],
-                    other=0.0).to(tl.float32)
-        kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None],
-                     other=0.0).to(tl.float32)
+        # 16-bit scratch: products on 16-bit operands (the state rounded for them), accumulated in fp32
+        w = tl.load(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
+        kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
         u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-        v_new = u - tl.dot(w, h, input_precision=PREC)
+        v_new = u - tl.dot(w, h.to(w.dtype), input_precision=PREC)
         tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new.to(vn_ptr.dtype.element_ty),
                  mask=m[:, None])
         if PER_CHANNEL:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK) + ck))[:, None]
         else:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK)))
-        h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        h = h * hdec + tl.dot(tl.trans(kd), v_new.to(kd.dtype), input_precision=PREC)
         slot += 1
     tl.store(ht_ptr + state_off, h, mask=hmask)
 
@@ -387,7 +386,7 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     _chunk_state[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, first, Gs, w, u, kd, h0, final, hc, vn, HV, K, V, C=C, BK=BK, BV=BV, BVF=BVF,
         PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"],
-        num_stages=cfg["stages"])
+        num_stages=cfg["state_stages"])
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     of = o.view(total, HV, V)
     _chunk_output[(slots, HV, triton.cdiv(V, cfg["BV_OUT"]) if BVF > cfg["BV_OUT"] else 1)](

@@ -195,6 +195,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.block_table = self.seq_lens = None  # paged MLA decode steps: [B, W] int32 blocks, [B] int32
         self.paged = False  # decode step read in place (attention.py; MLA: kernels/mla/ops.py)
+        self.fresh = True  # a prefill of prompts with nothing cached yet
         self.contiguous = False  # gathered keys / values returned contiguous (a model's own attention views them)
         self.is_initialized = True
         # HF's layers hold their cached keys / values here and models test them (Mllama asks every layer whether it
@@ -230,7 +231,12 @@ class PagedAttentionLayer(CacheLayerMixin):
         return self.gather_idx.shape[1], 0
 
     def get_seq_length(self) -> int:
-        return self.gather_idx.shape[1]
+        """Keys cached before the step, as HF's models read it ("is this the first call?"): 0 on a prefill of
+        fresh prompts, else the step's key width less its queries per row (its rows' longest cached context,
+        rounded up to the key width; sizes, so a compiled graph guards on no per-step value)."""
+        if self.fresh:
+            return 0
+        return self.gather_idx.shape[1] - self.write_slots.shape[0] // self.gather_idx.shape[0]
 
     def get_max_length(self) -> int:
         return -1
@@ -351,11 +357,11 @@ class PagedCache(Cache):
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
              paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-             state_row: int | None = None) -> None:
+             state_row: int | None = None, fresh: bool = False) -> None:
         """``decode_rows``: a decode step over state rows 0..n-1; else a prefill, fresh (``state_row`` None) or
-        continuing from row ``state_row``'s states."""
+        continuing from row ``state_row``'s states. ``fresh``: a prefill whose prompts have nothing cached."""
         for layer in self.attention:
-            layer.write_slots, layer.gather_idx, layer.paged = write_slots, gather_idx, paged
+            layer.write_slots, layer.gather_idx, layer.paged, layer.fresh = write_slots, gather_idx, paged, fresh
             layer.block_table, layer.seq_lens = block_table, seq_lens
         for layer in self.states:
             if decode_rows is not None:

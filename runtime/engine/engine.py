@@ -36,6 +36,15 @@ COMPILE_MODES = ("auto", "hybrid-cudagraphs", "hybrid", "hybrid-eager", None, "n
 log = logging.getLogger(__name__)
 
 
+def _where(error: Exception) -> str:
+    """An exception in one line: type, message (cut at 160 characters) and the file:line it was raised at."""
+    import traceback
+    frames = traceback.extract_tb(error.__traceback__)
+    at = f" at {frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else ""
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}{': ' + message[:160] if message else ''}{at}"
+
+
 def check_options(opts: dict) -> None:
     """Type and range of ``Engine`` keyword options (TypeError / ValueError naming the option), before anything
     is built; unknown names are a TypeError."""
@@ -188,6 +197,39 @@ class Engine:
         # any caller's step runs every request, so two open streams (or a generate inside a stream loop) each get
         # their own requests' events whichever of them stepped
         self._inbox: dict[int, list[TokenEvent]] = {}
+        self._probe_errors: list[Exception] | None = None
+        if plan is None and self.tp_group is None:
+            self._probe(model)
+
+    def _probe(self, model) -> None:
+        """Two short requests through the engine's own steps (a batched prefill of prompts of two lengths, then
+        decodes), the HF forward run eagerly: a model whose code cannot run over the engine's cache (masks it
+        builds from its own shapes, inputs it slices by the cache length) is refused here in one line, instead of
+        failing every request later. A batched prefill that fails where single prompts run makes every prefill
+        step take one prompt. Costs two eager forwards of a few tokens; no compile, no CUDA graph."""
+        n = min(7, (self.max_model_len or 9) - 2)
+        if n < 4:
+            return
+        runner = self.runner
+        saved = runner.forward, runner.graphs_enabled, dict(self.stats)
+        runner.forward, runner.graphs_enabled = model.forward, False
+        self._probe_errors = []
+        ids = [i % self.vocab_size for i in range(1, n + 1)]
+        try:
+            outs = self.generate([ids[:3], ids], SamplingParams(max_tokens=2, ignore_eos=True))
+        finally:
+            runner.forward, runner.graphs_enabled, errors = saved[0], saved[1], self._probe_errors
+            self.stats, self._probe_errors = saved[2], None
+            self._seqs.clear()
+            self.reset_expert_loads()
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise Unsupported(f"{type(model).__name__}'s forward over the engine's cache: a probe request failed "
+                              f"({_where(errors[-1]) if errors else failed[0].error})")
+        if errors:  # the batched prefill failed, each prompt alone ran
+            self.prefill_batch_note = f"one prompt per prefill step (a batched prefill failed: {_where(errors[0])})"
+            self.scheduler.max_prefill_seqs = 1
+            log.warning("hybrid engine: %s", self.prefill_batch_note)
 
     # -- construction ---------------------------------------------------------------------------------
     def _shard(self, model, tensor_parallel: int, expert_parallel: bool, expert_placement) -> None:
@@ -507,6 +549,9 @@ class Engine:
         message = " ".join(f"{type(error).__name__}: {error}".split())
         seqs = [s for s in step.seqs if s.status is not Status.FINISHED]
         self.stats["failed_steps"] += 1
+        if self._probe_errors is not None:  # the construction's probe (_probe): it reports the error itself
+            self._probe_errors.append(error)
+            return [self._end(seq, "error", message) for seq in seqs]
         log.warning("hybrid engine: a %s step failed (%s); requests %s end with finish_reason='error'", step.kind,
                     message, [s.request_id for s in seqs])
         log.debug("the failed step's traceback", exc_info=error)
@@ -519,6 +564,10 @@ class Engine:
         if step.moves:
             self.scheduler.return_moves(step.moves)
             step.moves = []
+        if self._probe_errors is not None:
+            self._probe_errors.append(error)
+            self.scheduler.retry_alone(step.seqs)
+            return []
         log.warning("hybrid engine: a prefill of %d prompts failed (%s); each is prefilled again alone",
                     len(step.seqs), " ".join(f"{type(error).__name__}: {error}".split()))
         log.debug("the failed step's traceback", exc_info=error)

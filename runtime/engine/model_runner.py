@@ -200,7 +200,8 @@ class ModelRunner:
                 ids, positions = self._decode_ids(step, lengths, pad)
             inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions),
                                   None if ahead is None else ahead.tokens)
-            logits = self._forward(step.kind, q_len, width, batch, rows, inputs, state_row)
+            logits = self._forward(step.kind, q_len, width, batch, rows, inputs, state_row,
+                                   fresh=step.kind == "prefill" and not any(s.num_cached for s in step.seqs))
         if step.kind == "prefill" and self.cache.states and state_row is None:
             for layer in self.cache.states:
                 layer.store_prefill(step.seqs[0].state_slot)
@@ -280,11 +281,12 @@ class ModelRunner:
         return [next(it) if d else None for d in pending.done]
 
     def _forward(self, kind: str, q_len: int, width: int, batch: int, rows: int | None,
-                 inputs: list[torch.Tensor], state_row: int | None = None) -> torch.Tensor:
+                 inputs: list[torch.Tensor], state_row: int | None = None, fresh: bool = False) -> torch.Tensor:
         """Bind the step's cache maps and run the model: all a recorded decode graph contains. ``state_row``: a
-        prefill chunk continuing from that SSM state row."""
+        prefill chunk continuing from that SSM state row; ``fresh``: a prefill of prompts with nothing cached."""
         if self.cache.attention:
-            mask, extra = self._bind(kind, q_len, width, inputs[2].view(batch, -1), inputs[3], rows, state_row)
+            mask, extra = self._bind(kind, q_len, width, inputs[2].view(batch, -1), inputs[3], rows, state_row,
+                                     fresh)
         else:
             mask, extra = None, {}
             self.cache.bind(None, None, rows, state_row=state_row)
@@ -382,7 +384,7 @@ class ModelRunner:
         return table, [width - n for n in lengths] + [width - 1] * pad_rows
 
     def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None,
-              state_row: int | None = None):
+              state_row: int | None = None, fresh: bool = False):
         """Bind the step's cache maps, built on the device from the block table; returns the attention mask
         and extra forward kwargs (the paged-attention maps of a paged decode step)."""
         paged = self.paged_decode and kind == "decode"
@@ -392,7 +394,7 @@ class ModelRunner:
         if paged and self.paged_latent:  # MLA: the pages themselves (kernels/mla/ops.py)
             self.cache.bind(writes, gather_idx, rows, paged, table32, lengths)
         else:
-            self.cache.bind(writes, gather_idx, rows, paged, state_row=state_row)
+            self.cache.bind(writes, gather_idx, rows, paged, state_row=state_row, fresh=fresh)
         extra = {}
         if mha:  # the same positions, valid keys first, as rows of the per-head view (attention.py)
             extra["hybrid_block_table"], extra["hybrid_seq_lens"] = mha_maps
