@@ -206,7 +206,7 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
 @triton.jit
 def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr, hc_ptr, vn_ptr, HV, K, V,
                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr):
+                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
     """The sequential pass: per chunk, store the state the chunk starts from (for the output kernel), v' = u - w S
     (stored), S <- exp(G_last) S + kd^T v'."""
     n = tl.program_id(0)
@@ -234,21 +234,16 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
         kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
         u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-        if DOT16:  # products on the 16-bit scratch (the state rounded for them), accumulated in fp32
-            v_new = u - tl.dot(w, h.to(w.dtype))
-        else:
-            w, kd = w.to(tl.float32), kd.to(tl.float32)
-            v_new = u - tl.dot(w, h, input_precision=PREC)
+        # fp32 products (16-bit operands here gave wrong states on the H200 with triton 3.6: bench/TUNING.md)
+        w, kd = w.to(tl.float32), kd.to(tl.float32)
+        v_new = u - tl.dot(w, h, input_precision=PREC)
         tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new.to(vn_ptr.dtype.element_ty),
                  mask=m[:, None])
         if PER_CHANNEL:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK) + ck))[:, None]
         else:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK)))
-        if DOT16:
-            h = h * hdec + tl.dot(tl.trans(kd), v_new.to(kd.dtype))
-        else:
-            h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
         slot += 1
     tl.store(ht_ptr + state_off, h, mask=hmask)
 
@@ -391,9 +386,8 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     BV = min(BVF, cfg["BV"])
     _chunk_state[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, first, Gs, w, u, kd, h0, final, hc, vn, HV, K, V, C=C, BK=BK, BV=BV, BVF=BVF,
-        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec,
-        DOT16=cfg["dot16"] and scr["dtype"] != torch.float32, num_warps=cfg["state_warps"],
-        num_stages=cfg["state_stages"])
+        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"],
+        num_stages=cfg["state_stages"] if scr["dtype"] != torch.float32 else 1)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     of = o.view(total, HV, V)
     _chunk_output[(slots, HV, triton.cdiv(V, cfg["BV_OUT"]) if BVF > cfg["BV_OUT"] else 1)](
