@@ -54,6 +54,15 @@ def rmsnorm_problem(m: torch.nn.Module, eps: float, dtype: torch.dtype) -> str |
     return None if ok else f"its math is not RMSNorm's w * (x * rsqrt(mean(x^2) + eps)) ({msg})"
 
 
+def _softcaps(experts: torch.nn.Module) -> tuple[float, float] | None:
+    """(gate cap, up cap) of a soft-capped SwiGLU held by the experts' ``act_fn`` (children ``gate_softcap`` and
+    ``up_softcap`` with a float ``softcap``), else None; what they compute is proven by the probe."""
+    act = getattr(experts, "act_fn", None)
+    caps = [getattr(getattr(act, n, None), "softcap", None) for n in ("gate_softcap", "up_softcap")]
+    ok = all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps)
+    return (float(caps[0]), float(caps[1])) if ok else None
+
+
 def identify_experts(experts: torch.nn.Module, gated: bool) -> ExpertsSpec:
     """How the experts combine gate and up (HF's ``_apply_gate``: act_fn(gate) * up by default, clamped SwiGLU in
     gpt-oss), proven on a probe of the live method; ungated experts: their ``act_fn``."""
@@ -67,10 +76,15 @@ def identify_experts(experts: torch.nn.Module, gated: bool) -> ExpertsSpec:
     t = torch.randn(5, 24, generator=g) * 4
     with eager_probe():
         got = apply_gate(t)
-    alpha, limit = float(getattr(experts, "alpha", 1.0)), float(getattr(experts, "limit", float("inf")))
+    # the clamped SwiGLU's constants, by the names HF's families give them (gpt-oss: alpha / limit)
+    alpha = next((getattr(experts, n) for n in ("alpha", "swiglu_alpha") if hasattr(experts, n)), 1.0)
+    limit = next((getattr(experts, n) for n in ("limit", "swiglu_limit") if hasattr(experts, n)), float("inf"))
+    consts = {"swiglu_clamp": (float(alpha), float(limit)), "swiglu_softcap": _softcaps(experts)}
     for interleaved in (not concatenated, concatenated):
         for act in ACTIVATIONS:
-            cand = ExpertsSpec(True, interleaved, act, transposed, *((alpha, limit) if act == "swiglu_clamp" else ()))
+            if act in consts and consts[act] is None:
+                continue
+            cand = ExpertsSpec(True, interleaved, act, transposed, *consts.get(act, ()))
             want = moe_reference.glu(*moe_reference.split_gate_up(t, interleaved), act, cand.alpha, cand.limit)
             if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, atol=1e-5,
                                                                                               rtol=1e-5):

@@ -137,6 +137,14 @@ VARIANTS = {
                         n_shared_experts=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
                         num_experts_per_tok=2, n_group=1, topk_group=1, intermediate_size=64),
                    "sigmoid_group_topk, top-2, renormalised, relu2, shared expert"),
+    # gpt-oss's clamped SwiGLU on concatenated halves, its constants named swiglu_alpha / swiglu_limit
+    "minimax_m3_vl_text": (dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                dense_intermediate_size=64, shared_intermediate_size=32),
+                           "sigmoid_group_topk, top-2, renormalised, x2, swiglu_clamp (alpha 1.702, limit 7), "
+                           "shared expert"),
+    # a soft-capped SwiGLU (tanh caps on the gate factor and on up, the sigmoid on the raw gate)
+    "inkling2_text": (dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2),
+                      "sigmoid_group_topk, top-2, renormalised, x8, swiglu_softcap (gate cap 4, up cap 25)"),
 }
 
 

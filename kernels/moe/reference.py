@@ -24,10 +24,13 @@ import torch.nn.functional as F
 
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk")
 #: activations of the experts: act(gate) * up (gated) or act(up); "swiglu_clamp" (gated only, gpt-oss):
-#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit); "relu2": relu(x)^2
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp", "relu2")
-#: the activations that act on one tensor (all but swiglu_clamp)
-ELEMENTWISE = tuple(a for a in ACTIVATIONS if a != "swiglu_clamp")
+#: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit); "relu2": relu(x)^2;
+#: "swiglu_softcap" (gated only): cap(gate, alpha) * sigmoid(gate) * cap(up, limit) with cap(x, c) = c tanh(x / c)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp", "relu2", "swiglu_softcap")
+#: the activations that combine gate and up in a form of their own (``glu``), gated experts only
+COMBINED = ("swiglu_clamp", "swiglu_softcap")
+#: the activations that act on one tensor
+ELEMENTWISE = tuple(a for a in ACTIVATIONS if a not in COMBINED)
 
 
 def check_route_args(num_experts: int, method: str, top_k: int, n_group: int, topk_group: int) -> None:
@@ -88,7 +91,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
 
 
 def activation_fn(name: str):
-    """act(x) of the elementwise activations (``swiglu_clamp`` combines gate and up: ``glu``)."""
+    """act(x) of the elementwise activations (the ``COMBINED`` ones combine gate and up: ``glu``)."""
     if name == "silu":
         return F.silu
     if name == "gelu":
@@ -107,6 +110,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, lim
     if activation == "swiglu_clamp":
         g = gate.clamp(max=limit)
         return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(g * alpha)
+    if activation == "swiglu_softcap":
+        return alpha * torch.tanh(gate / alpha) * torch.sigmoid(gate) * limit * torch.tanh(up / limit)
     return activation_fn(activation)(gate) * up
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .reference import ACTIVATIONS, METHODS
+from .reference import ACTIVATIONS, COMBINED, METHODS
 
 
 class MoEWeights(NamedTuple):
@@ -60,7 +60,7 @@ class RouteSpec:
 @dataclass(frozen=True)
 class ExpertsSpec:
     """The experts: a fused gate + up weight (``gated``; halves ``interleaved`` or concatenated) or an up weight alone,
-    the activation (reference.ACTIVATIONS, with ``alpha`` / ``limit`` for swiglu_clamp), and whether the weights are
+    the activation (reference.ACTIVATIONS, with ``alpha`` / ``limit`` for the combined ones), and whether the weights are
     stored transposed ([E, in, out])."""
     gated: bool = True
     interleaved: bool = False
@@ -72,8 +72,8 @@ class ExpertsSpec:
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown expert activation {self.activation!r}; expected one of {ACTIVATIONS}")
-        if self.activation == "swiglu_clamp" and not self.gated:
-            raise ValueError("the swiglu_clamp activation needs gated experts")
+        if self.activation in COMBINED and not self.gated:
+            raise ValueError(f"the {self.activation} activation needs gated experts")
 
     def kwargs(self) -> dict:
         return dict(gated=self.gated, interleaved=self.interleaved, activation=self.activation, alpha=float(self.alpha),
@@ -84,8 +84,9 @@ class ExpertsSpec:
                 float(self.limit))
 
     def describe(self) -> str:
-        act = self.activation if self.activation != "swiglu_clamp" else \
-            f"swiglu_clamp (alpha {self.alpha:g}, limit {self.limit:g})"
+        act = {"swiglu_clamp": f"swiglu_clamp (alpha {self.alpha:g}, limit {self.limit:g})",
+               "swiglu_softcap": f"swiglu_softcap (gate cap {self.alpha:g}, up cap {self.limit:g})"}.get(
+            self.activation, self.activation)
         return act + (", transposed weights" if self.transposed else "")
 
 

@@ -34,8 +34,8 @@ _ACT_ID = {a: i for i, a in enumerate(ACTIVATIONS)}
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu, 5 relu squared (4, swiglu_clamp, combines gate and
-    # up: _glu)
+    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu, 5 relu squared (4 swiglu_clamp and 6 swiglu_softcap
+    # combine gate and up: _glu)
     if ACT == 0:
         return x / (1.0 + tl.exp(-x))
     elif ACT == 1:
@@ -52,11 +52,16 @@ def _act(x, ACT: tl.constexpr):
 
 @triton.jit
 def _glu(g, u, ACT: tl.constexpr, alpha, limit):
-    """The gated experts' product (reference.glu): act(g) * u, or swiglu_clamp's (clamp(u) + 1) * g' sigmoid(alpha g')."""
+    """The gated experts' product (reference.glu): act(g) * u, swiglu_clamp's (clamp(u) + 1) * g' sigmoid(alpha g')
+    or swiglu_softcap's cap(g, alpha) sigmoid(g) cap(u, limit), tanh as 2 sigmoid(2x) - 1."""
     if ACT == 4:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         return (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+    elif ACT == 6:
+        gc = alpha * (2.0 / (1.0 + tl.exp(-2.0 * g / alpha)) - 1.0)
+        uc = limit * (2.0 / (1.0 + tl.exp(-2.0 * u / limit)) - 1.0)
+        return gc * uc / (1.0 + tl.exp(-g))
     else:
         return _act(g, ACT) * u
 

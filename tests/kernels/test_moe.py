@@ -176,6 +176,7 @@ EXPERT_CASES = [  # T, E, H, I, k, gated, interleaved, activation, dtype, config
     (37, 6, 48, 40, 1, True, False, "silu", torch.float32, SPLIT_CFG, "one"),
     (37, 6, 48, 40, 2, True, False, "silu", torch.float16, SPLIT_CFG, "random"),
     (300, 6, 48, 40, 2, True, False, "silu", torch.float32, None, "random"),
+    (37, 6, 48, 40, 2, True, False, "swiglu_softcap", torch.float32, None, "random"),
 ]
 
 
@@ -189,6 +190,8 @@ def test_experts_triton_matches_reference(case):
     ids = random_ids(T, k, E, pattern)
     weights = torch.rand(T, k, device=DEV) + 0.1
     kw = dict(gated=gated, interleaved=interleaved, activation=act)
+    if act == "swiglu_softcap":  # caps that bind: |gate|, |up| reach a few units here
+        kw.update(alpha=0.7, limit=1.5)
     out = experts.experts_triton(x, w13, w2, weights, ids, config=cfg, **kw)
     ref = reference.experts(x, w13, w2, weights, ids, **kw)
     assert out.dtype == dtype and out.shape == (T, H)
