@@ -9,7 +9,8 @@ recurrent state or both (rows per sequence); layers whose attention and mixer ru
 and state rows in one cache layer); layers without a cache (MoE- or MLP-only layers).
 Refused: ALiBi position biases, non-causal attention, keys / values shared across layers, chunked attention, models
 that cache rows of their own besides the tokens' (a learned prompt), cache layers of other kinds (compressed,
-indexed, quantized, recurrent states beside windowed or static keys).
+indexed, quantized, recurrent states beside windowed or static keys), and models whose forward fails over the
+engine's cache on the construction's probe request (engine.py: ``Engine._probe``).
 """
 from __future__ import annotations
 
