@@ -79,7 +79,7 @@ def _candidates(owners, bias, num_experts: int, top_k: int) -> list[RouteSpec]:
         # with one group is softmax_topk itself
         groups = n_group if "group" in method else 1
         if num_experts % groups or (method == "softmax_group_topk" and groups <= 1) or (
-                method == "softmax_bias_topk" and bias is None):
+                method in ("softmax_bias_topk", "sigmoid_logit_bias_topk") and bias is None):
             continue
         out.append(RouteSpec(method, top_k, renorm, scale, groups, min(topk_group, groups), fp32))
     return out
@@ -133,7 +133,8 @@ def identify_routing(router: torch.nn.Module, linear: torch.nn.Module, bias: tor
         if _same_routing(weights, ids, ref_w, ref_ids, w.dtype):
             return [spec]
     raise Skip("router matches none of the known routing variants (softmax->top-k, top-k->softmax, "
-               "sigmoid (+ correction bias, group-limited or not), softmax group-limited)")
+               "sigmoid (+ correction bias, group-limited or not), softmax group-limited, softmax + correction bias, "
+               "sigmoid with the bias on the logits)")
 
 
 def _sizes(experts, weights) -> tuple[int, int]:

@@ -18,8 +18,10 @@ from runtime.engine import Engine, SamplingParams
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 29)), [40, 41, 42]]
 #: (zoo name, compile mode): hybrid-eager runs hybrid's passes over the sharded modules
+#: Mamba2 mixers split by head: bamba's one head group (B / C replicated, the norm's sum of squares all-reduced),
+#: mamba2's two groups (B / C and the norm by group)
 FAMILIES = [("llama", None), ("mixtral", "hybrid-eager"), ("gpt_oss", None), ("deepseek_v3", "hybrid-eager"),
-            ("bamba", None)]
+            ("bamba", None), ("mamba2", "hybrid-eager")]
 #: expert parallelism: experts split by index (qwen3_moe, deepseek_v3, gpt_oss: biases go with their experts); mixtral's
 #: 5 experts do not split over 2 ranks and fall back to the width split, saying why
 EP_FAMILIES = [("qwen3_moe", None), ("deepseek_v3", "hybrid-eager"), ("mixtral", None), ("gpt_oss", None)]
@@ -120,13 +122,17 @@ def test_two_ranks_give_the_single_process_tokens(ranks, name, compile):
     r0, r1 = ranks[0][name], ranks[1][name]
     assert r0["tokens"][:2] == want
     assert r0["tokens"] == r1["tokens"] and len(r0["tokens"][2]) == 6  # the sampled request too
-    assert any(": attention," in s for s in r0["split"]), r0
     if name == "bamba":
-        assert any("ssm mixer kept whole" in s for s in r0["replicated"]), r0
+        assert any("SSM mixer, 2 of 4 heads per rank, B / C replicated" in s and "all-reduced" in s
+                   for s in r0["split"]), r0
+    if name == "mamba2":
+        assert any("SSM mixer, 4 of 8 heads per rank, B / C by group" in s for s in r0["split"]), r0
     if name in ("mixtral", "gpt_oss", "deepseek_v3"):
         assert any(": MoE," in s for s in r0["split"]), r0
+    if name != "mamba2":
+        assert any(": attention," in s for s in r0["split"]), r0
     if compile is not None:  # hybrid's region passes rewrite the sharded blocks (proven on their partial sums)
-        assert r0["rewritten"] == {"mixtral": ["moe"], "deepseek_v3": ["mla", "moe"]}[name], r0
+        assert r0["rewritten"] == {"mixtral": ["moe"], "deepseek_v3": ["mla", "moe"], "mamba2": ["ssm"]}[name], r0
     if name == "gpt_oss":
         assert any("interleaved gate-up" in s for s in r0["split"]), r0
 

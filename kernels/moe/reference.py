@@ -13,6 +13,8 @@ Routing methods (each exactly as Hugging Face computes it; ``scale`` = routed sc
         ``topk_group`` groups (the others' p set to 0.0); top-k -> ids, weights = p at ids * scale.
   - ``softmax_bias_topk``: ERNIE-4.5 MoE: p = softmax; top-k of p + bias -> ids; weights = p at ids
         (-> / (sum + 1e-20) when ``renormalize``) * scale.
+  - ``sigmoid_logit_bias_topk``: the bias shifts the logits, not the scores: top-k of logits + bias -> ids;
+        weights = sigmoid(logits) at ids (-> / sum when ``renormalize``) * scale.
 
 Memory traffic of ``experts`` (the fused kernel's roofline): every touched expert's weights once,
 3 * H * I elements per expert (gated), plus x [T, H] and out [T, H].
@@ -22,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk")
+METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk",
+           "sigmoid_logit_bias_topk")
 #: activations of the experts: act(gate) * up (gated) or act(up); "swiglu_clamp" (gated only, gpt-oss):
 #: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit); "relu2": relu(x)^2;
 #: "swiglu_softcap" (gated only): cap(gate, alpha) * sigmoid(gate) * cap(up, limit) with cap(x, c) = c tanh(x / c)
@@ -80,6 +83,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
         weights = scores.gather(1, ids)
         if renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif method == "sigmoid_logit_bias_topk":
+        choice = logits + bias.float().reshape(-1) if bias is not None else logits
+        ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+        weights = logits.sigmoid().gather(1, ids)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     else:  # softmax_group_topk
         probs = logits.softmax(dim=-1)
         keep = _group_mask(probs, n_group, topk_group, top2=False)

@@ -41,7 +41,7 @@ class RouteSpec:
     @property
     def uses_bias(self) -> bool:
         """Whether the router's score-correction bias enters the choice."""
-        return self.method in ("sigmoid_group_topk", "softmax_bias_topk")
+        return self.method in ("sigmoid_group_topk", "softmax_bias_topk", "sigmoid_logit_bias_topk")
 
     def kwargs(self) -> dict:
         """Keyword arguments of ``reference.route`` and the Triton routing launchers."""

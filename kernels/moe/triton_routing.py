@@ -162,7 +162,8 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
                 METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rows [row0, row0 + BLOCK_T) of logits [T, E] -> weights fp32 / ids int32 [T, TOP_K].
-    METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk, 4 softmax_bias_topk."""
+    METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk, 4 softmax_bias_topk,
+    5 sigmoid_logit_bias_topk."""
     rows = row0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     rmask = rows < T
@@ -179,6 +180,11 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
     elif METHOD == 1:
         score = x
         choice = x
+    elif METHOD == 5:
+        score = 1.0 / (1.0 + tl.exp(-x))
+        choice = x
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     else:
         m = tl.max(x, axis=1)
         p = tl.exp(x - m[:, None])
