@@ -19,9 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 29)), [40, 41, 42]]
 #: (zoo name, compile mode): hybrid-eager runs hybrid's passes over the sharded modules
 #: Mamba2 mixers split by head: bamba's one head group (B / C replicated, the norm's sum of squares all-reduced),
-#: mamba2's two groups (B / C and the norm by group)
+#: mamba2's two groups (B / C and the norm by group); Qwen3-Next's Gated DeltaNet by key head
 FAMILIES = [("llama", None), ("mixtral", "hybrid-eager"), ("gpt_oss", None), ("deepseek_v3", "hybrid-eager"),
-            ("bamba", None), ("mamba2", "hybrid-eager")]
+            ("bamba", None), ("mamba2", "hybrid-eager"), ("qwen3_next", None)]
 #: expert parallelism: experts split by index (qwen3_moe, deepseek_v3, gpt_oss: biases go with their experts); mixtral's
 #: 5 experts do not split over 2 ranks and fall back to the width split, saying why
 EP_FAMILIES = [("qwen3_moe", None), ("deepseek_v3", "hybrid-eager"), ("mixtral", None), ("gpt_oss", None)]
@@ -127,6 +127,8 @@ def test_two_ranks_give_the_single_process_tokens(ranks, name, compile):
                    for s in r0["split"]), r0
     if name == "mamba2":
         assert any("SSM mixer, 4 of 8 heads per rank, B / C by group" in s for s in r0["split"]), r0
+    if name == "qwen3_next":
+        assert any("delta mixer, 1 of 2 key heads (2 of 4 value heads)" in s for s in r0["split"]), r0
     if name in ("mixtral", "gpt_oss", "deepseek_v3"):
         assert any(": MoE," in s for s in r0["split"]), r0
     if name != "mamba2":

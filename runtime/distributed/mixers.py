@@ -1,4 +1,5 @@
-"""Tensor parallelism of Mamba2-style SSM mixers: the heads split over the ranks.
+"""Tensor parallelism of SSM and delta-rule mixers: the heads split over the ranks (Mamba2-style mixers here; Qwen3-Next's
+Gated DeltaNet in ``shard_gated_deltanet``).
 
 A Mamba2 mixer (HF's Mamba2, Bamba, NemotronH, Zamba2, FalconH1, ...) projects the hidden state into
 [z (I) | x (I) | B (G N) | C (G N) | dt (H)] with I = H * head_dim, runs a depthwise causal conv over [x | B | C], the
@@ -96,3 +97,50 @@ def shard_mamba2(m: nn.Module, rank: int, world: int, group) -> str:
     m.conv_dim = len(conv_idx)
     return (f"{len(h)} of {H} heads per rank, B / C {'by group' if split_groups else 'replicated'} ({G} groups), "
             f"{norm}")
+
+
+def shard_gated_deltanet(m: nn.Module, rank: int, world: int) -> str:
+    """Keep rank's key heads, with their value heads, of a Gated DeltaNet mixer (Qwen3-Next's layout: ``in_proj_qkvz``
+    rows grouped per key head as [q | k | v of its value heads | z of them], ``in_proj_ba`` as [b | a] per key head,
+    the conv over [q | k | v], ``A_log`` / ``dt_bias`` per value head, a gated norm per value head). ValueError
+    naming what does not split."""
+    need = ("in_proj_qkvz", "in_proj_ba", "conv1d", "out_proj", "A_log", "dt_bias", "num_k_heads", "num_v_heads",
+            "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
+    missing = [n for n in need if not hasattr(m, n)]
+    if missing:
+        raise ValueError(f"not a Gated DeltaNet mixer of Qwen3-Next's layout (no {', '.join(missing[:3])})")
+    HK, HV, DK, DV = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    if HV % HK or m.key_dim != HK * DK or m.value_dim != HV * DV or m.conv_dim != 2 * m.key_dim + m.value_dim:
+        raise ValueError("widths unlike Qwen3-Next's Gated DeltaNet")
+    if m.in_proj_qkvz.out_features != 2 * m.key_dim + 2 * m.value_dim or m.in_proj_ba.out_features != 2 * HV:
+        raise ValueError("in_proj_qkvz / in_proj_ba rows unlike [q | k | v | z] and [b | a] per key head")
+    if getattr(m.norm, "weight", None) is None or m.norm.weight.numel() != DV:
+        raise ValueError("its gated norm is not one per value head")
+    if HK % world:
+        raise ValueError(f"{HK} key heads do not split over {world} ranks")
+    rep = HV // HK
+    kh = torch.arange(rank * HK // world, (rank + 1) * HK // world)
+    vh = (kh[:, None] * rep + torch.arange(rep)).flatten()
+    per = 2 * DK + 2 * rep * DV  # rows of one key head in in_proj_qkvz
+    qkvz = (kh[:, None] * per + torch.arange(per)).flatten()
+    ba = (kh[:, None] * 2 * rep + torch.arange(2 * rep)).flatten()
+    kc = (kh[:, None] * DK + torch.arange(DK)).flatten()
+    vc = (vh[:, None] * DV + torch.arange(DV)).flatten()
+    conv_idx = torch.cat([kc, m.key_dim + kc, 2 * m.key_dim + vc])
+    for lin, idx in ((m.in_proj_qkvz, qkvz), (m.in_proj_ba, ba)):
+        lin.weight = _param(lin.weight, idx)
+        if lin.bias is not None:
+            lin.bias = _param(lin.bias, idx)
+        lin.out_features = len(idx)
+    m.conv1d.weight = _param(m.conv1d.weight, conv_idx)
+    if m.conv1d.bias is not None:
+        m.conv1d.bias = _param(m.conv1d.bias, conv_idx)
+    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = len(conv_idx)
+    m.A_log, m.dt_bias = _param(m.A_log, vh), _param(m.dt_bias, vh)
+    m.out_proj.weight = _param(m.out_proj.weight, vc, dim=1)
+    if m.out_proj.bias is not None and rank != 0:
+        m.out_proj.bias = nn.Parameter(torch.zeros_like(m.out_proj.bias.data), requires_grad=False)
+    m.out_proj.in_features = len(vc)
+    m.num_k_heads, m.num_v_heads = len(kh), len(vh)
+    m.key_dim, m.value_dim, m.conv_dim = len(kc), len(vc), len(conv_idx)
+    return f"{len(kh)} of {HK} key heads ({len(vh)} of {HV} value heads) per rank"

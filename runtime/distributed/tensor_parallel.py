@@ -10,8 +10,9 @@ Every rank holds the whole model first (it built or loaded it); ``shard_model`` 
 - MoE blocks (``graphs.modules.classify``): the router replicated, so every rank routes every token alike; each
   expert's intermediate width split (fused [E, 2I, H] or [E, H, 2I] gate-up weights with gate and up as halves or
   interleaved, per-expert MLP modules), shared experts split, a shared expert's gate replicated.
-- Mamba2-style SSM mixers: heads split (mixers.py), each rank caching its heads' states; other SSM mixers (Mamba1)
-  and delta-rule mixers replicated (every rank runs the whole mixer and keeps its whole state).
+- Mamba2-style SSM mixers and Qwen3-Next's Gated DeltaNet: heads split (mixers.py), each rank caching its heads'
+  states; other SSM / delta-rule mixers (Mamba1, Kimi's KDA) replicated (every rank runs the whole mixer and keeps
+  its whole state).
 With ``expert_parallel`` a MoE block's routed experts are split by index instead (each rank holds E / N whole experts,
 ``LocalExperts``; every rank still routes every token, as attention's heads are split and the tokens replicated, so
 the combine is the same all-reduce and no all-to-all is needed).
@@ -21,7 +22,7 @@ rewrites on its partial outputs). The token embedding and the LM head are split 
 ``nn.Embedding`` / ``nn.Linear`` only, one weight when tied): a masked lookup plus an all-reduce, and an all-gather of
 the logits so that every rank samples from the whole vocabulary. Norms are replicated.
 
-Nothing is sharded on faith. Each MLP, MoE and SSM block is probed before and after: the all-reduced output of the shards
+Nothing is sharded on faith. Each MLP, MoE, SSM and delta-rule block is probed before and after: the all-reduced output of the shards
 on a random input, with uninitialised memory filled with NaN, must equal the whole block's, or the block stays replicated (an expert layout tried in turn); a
 module of none of these shapes stays replicated too. At the end the whole model is probed on a short prompt; logits
 that differ from the unsharded model's refuse the model (``TensorParallelError``). ``ShardReport`` lists what was split
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce
-from .mixers import shard_mamba2
+from .mixers import shard_gated_deltanet, shard_mamba2
 
 #: relative tolerance of the probes, by the model's dtype (sums in another order than the unsharded model's)
 PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -461,7 +462,12 @@ def shard_model(model: nn.Module, group=None, expert_parallel: bool = False,
             continue
         if classify(m) == DELTA:
             taken.append(path)
-            report.replicated.append(f"{path}: delta mixer kept whole (its heads are not split yet)")
+            wrapped, what = _try_block(m, lambda b: shard_gated_deltanet(b, rank, world), group, x, tol)
+            if wrapped is not None:
+                _set_child(model, path, wrapped)
+                report.split.append(f"{path}: delta mixer, {what}")
+            else:
+                report.replicated.append(f"{path}: delta mixer kept whole ({what})")
             continue
         kind, why = _attention_plan(m, world)
         if kind is not None:
