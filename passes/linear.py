@@ -112,7 +112,7 @@ class DecodeLinear(Pass):
                 if len(chunk) == 1 or any(map(may_mutate, between)):
                     singles.extend(chunk)
                     continue
-                x = parts[chunk[0]][0]
+                x = chunk[0].args[0]  # now: an earlier group may have replaced the node it read
                 for m in chunk[1:]:  # frozen weights are get_attr nodes placed at their first use: move them up
                     w = parts[m][1]
                     if w.op == "get_attr" and order[w] > order[chunk[0]]:
@@ -131,7 +131,8 @@ class DecodeLinear(Pass):
                 launches += 1
                 grouped += len(chunk)
         for m in singles:
-            x, w, b = parts[m]
+            _, w, b = parts[m]
+            x = m.args[0]  # now: the input may be a grouped linear's output, replaced above
             with graph.inserting_before(m):
                 call = graph.call_function(torch.ops.hybrid.linear.default, (x, w, b))
             call.meta.update(m.meta)

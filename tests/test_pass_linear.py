@@ -134,3 +134,34 @@ def test_autocast_keeps_f_linear():
             got = fn(x)
     assert got.dtype == want.dtype == torch.bfloat16
     assert sorted(o for g in seen for o in g) == ["F.linear", "F.linear"]  # fp32 in, bf16 out: not this pass's
+
+
+class _LowRank(torch.nn.Module):
+    """Kimi Delta Attention's low-rank projections: q and the gate's first factor read one input (a group), the
+    factor's output feeds a second linear (with a bias: it runs alone) and, as input, a second group."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(24, 16, bias=False)
+        self.f_a = torch.nn.Linear(24, 8, bias=False)
+        self.f_b = torch.nn.Linear(8, 16)
+        self.u = torch.nn.Linear(8, 16, bias=False)
+        self.w = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, x):
+        a = self.f_a(x)
+        return self.q(x) * self.f_b(a) + self.u(a) * self.w(a)
+
+
+def test_a_grouped_linears_output_feeding_other_linears():
+    """The linears that read a grouped linear's output take its new node (the pass once handed them the erased one,
+    failed the graph's lint and was dropped: Kimi Linear's graphs compiled without it)."""
+    m = _LowRank().eval()
+    x = torch.randn(1, 1, 24)
+    with torch.no_grad():
+        want = m(x)
+    with _compiled(m, {}) as (fn, report, seen):
+        torch.testing.assert_close(fn(x), want)
+    assert sorted(o for g in seen for o in g) == ["group", "group", "linear"]
+    assert _notes(report) == ["5 linear layers -> hybrid::linear (4 of them in 2 shared-input launches): Triton "
+                              "kernels at one row, F.linear otherwise"]
