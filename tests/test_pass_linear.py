@@ -154,8 +154,8 @@ class _LowRank(torch.nn.Module):
 
 
 def test_a_grouped_linears_output_feeding_other_linears():
-    """The linears that read a grouped linear's output take its new node (the pass once handed them the erased one,
-    failed the graph's lint and was dropped: Kimi Linear's graphs compiled without it)."""
+    """The linears that read a grouped linear's output take its new node: the erased one fails the graph's lint and
+    drops the pass for the whole graph (Kimi Linear's low-rank gate projections have this shape)."""
     m = _LowRank().eval()
     x = torch.randn(1, 1, 24)
     with torch.no_grad():
