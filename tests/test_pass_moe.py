@@ -142,11 +142,11 @@ VARIANTS = {
                                 dense_intermediate_size=64, shared_intermediate_size=32),
                            "sigmoid_group_topk, top-2, renormalised, x2, swiglu_clamp (alpha 1.702, limit 7), "
                            "shared expert"),
-    # a soft-capped SwiGLU (tanh caps on the gate factor and on up, the sigmoid on the raw gate)
     # sigmoid weights, the correction bias added to the logits for the choice
     "kolibri1": (dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                       shared_expert_intermediate_size=32),
                  "sigmoid_logit_bias_topk, top-2, silu, shared expert"),
+    # a soft-capped SwiGLU (tanh caps on the gate factor and on up, the sigmoid on the raw gate)
     "inkling2_text": (dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2),
                       "sigmoid_group_topk, top-2, renormalised, x8, swiglu_softcap (gate cap 4, up cap 25)"),
 }

@@ -304,12 +304,21 @@ def chunk_table(cu_seqlens: torch.Tensor, total: int, chunk: int) -> tuple[torch
     return table, (ends - counts).to(torch.int32)
 
 
-@functools.lru_cache(maxsize=64)
 def _uniform_tables(B: int, T: int, C: int, device: torch.device):
-    """cu_seqlens and the chunk table of B sequences of T tokens: built once per shape (a dozen small launches a
-    prefill would otherwise pay every call); kept alive here, so a CUDA graph may read them."""
+    """cu_seqlens and the chunk table of B sequences of T tokens, kept for the last 64 shapes (a dozen small launches
+    a prefill would otherwise pay every call); inside a CUDA-graph capture built afresh, so that the graph owns what
+    it reads and no cached table is one a capture filled."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_uniform_tables(B, T, C, device)
+    return _cached_uniform_tables(B, T, C, device)
+
+
+def _build_uniform_tables(B: int, T: int, C: int, device: torch.device):
     cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int32)
     return cu, chunk_table(cu, B * T, C)
+
+
+_cached_uniform_tables = functools.lru_cache(maxsize=64)(_build_uniform_tables)
 
 
 def _head_view(x: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,8 @@ class ExpertsSpec:
             raise ValueError(f"unknown expert activation {self.activation!r}; expected one of {ACTIVATIONS}")
         if self.activation in COMBINED and not self.gated:
             raise ValueError(f"the {self.activation} activation needs gated experts")
+        if self.activation == "swiglu_softcap" and not (0 < self.alpha < float("inf") and 0 < self.limit < float("inf")):
+            raise ValueError(f"swiglu_softcap needs finite positive caps, got gate {self.alpha}, up {self.limit}")
 
     def kwargs(self) -> dict:
         return dict(gated=self.gated, interleaved=self.interleaved, activation=self.activation, alpha=float(self.alpha),

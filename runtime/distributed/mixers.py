@@ -1,7 +1,7 @@
 """Tensor parallelism of SSM and delta-rule mixers: the heads split over the ranks (Mamba2-style mixers here; Qwen3-Next's
 Gated DeltaNet in ``shard_gated_deltanet``).
 
-A Mamba2 mixer (HF's Mamba2, Bamba, NemotronH, Zamba2, FalconH1, ...) projects the hidden state into
+A Mamba2 mixer (HF's Mamba2, Bamba, NemotronH, ...) projects the hidden state into
 [z (I) | x (I) | B (G N) | C (G N) | dt (H)] with I = H * head_dim, runs a depthwise causal conv over [x | B | C], the
 scan per head (dt_bias, A_log, D per head; B and C shared by the heads of a group), a gated RMSNorm over groups of
 I / G channels and the out projection. ``shard_mamba2`` keeps rank r's heads: their rows of z, x and dt, their conv
@@ -10,6 +10,7 @@ split evenly over the ranks (a rank's heads are then exactly its groups' heads),
 The norm works on its groups locally when they split; one group over all I channels (G = 1) becomes
 ``ShardedGatedNorm``: the sum of squares all-reduced over the ranks. The mixer's output is a partial sum (the caller
 wraps it in ``AllReduced``), and its cache holds the rank's heads only: conv and SSM states split with the heads.
+A mixer holding tensors of its own beyond these (FalconH1's muP vector) or another norm stays whole, saying why.
 
 Imports nothing of this folder but collectives.py; tensor_parallel.py calls it.
 """
@@ -46,6 +47,13 @@ def _param(t: torch.Tensor, idx: torch.Tensor, dim: int = 0) -> nn.Parameter:
     return nn.Parameter(t.data.index_select(dim, idx.to(t.device)).clone(), requires_grad=False)
 
 
+def _only_known_tensors(m: nn.Module, known: tuple[str, ...]) -> None:
+    """ValueError when the mixer holds a parameter or buffer of its own that the split does not slice."""
+    other = [n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if n not in known]
+    if other:
+        raise ValueError(f"it holds {', '.join(other[:3])}, which the head split does not slice")
+
+
 def shard_mamba2(m: nn.Module, rank: int, world: int, group) -> str:
     """Keep rank's heads of the Mamba2-style mixer ``m`` (in place); ValueError naming what does not split."""
     need = ("in_proj", "conv1d", "out_proj", "dt_bias", "A_log", "D", "norm", "num_heads", "head_dim", "n_groups",
@@ -53,6 +61,9 @@ def shard_mamba2(m: nn.Module, rank: int, world: int, group) -> str:
     missing = [n for n in need if not hasattr(m, n)]
     if missing:
         raise ValueError(f"not a Mamba2-style mixer (no {', '.join(missing[:3])})")
+    _only_known_tensors(m, ("dt_bias", "A_log", "D"))
+    if not isinstance(getattr(m.norm, "weight", None), torch.Tensor) or m.norm.weight.dim() != 1:
+        raise ValueError(f"its norm ({type(m.norm).__name__}) is not a gated RMSNorm with one weight per channel")
     H, P, G, N, I = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size, m.intermediate_size
     if m.A_log.dim() != 1 or I != H * P or m.conv_dim != I + 2 * G * N:
         raise ValueError("widths unlike Mamba2's (I = heads x head_dim, conv over x, B, C; one A per head)")
@@ -114,7 +125,8 @@ def shard_gated_deltanet(m: nn.Module, rank: int, world: int) -> str:
         raise ValueError("widths unlike Qwen3-Next's Gated DeltaNet")
     if m.in_proj_qkvz.out_features != 2 * m.key_dim + 2 * m.value_dim or m.in_proj_ba.out_features != 2 * HV:
         raise ValueError("in_proj_qkvz / in_proj_ba rows unlike [q | k | v | z] and [b | a] per key head")
-    if getattr(m.norm, "weight", None) is None or m.norm.weight.numel() != DV:
+    _only_known_tensors(m, ("A_log", "dt_bias"))
+    if not isinstance(getattr(getattr(m, "norm", None), "weight", None), torch.Tensor) or m.norm.weight.numel() != DV:
         raise ValueError("its gated norm is not one per value head")
     if HK % world:
         raise ValueError(f"{HK} key heads do not split over {world} ranks")

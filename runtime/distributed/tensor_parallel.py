@@ -384,6 +384,8 @@ def _try_block(block: nn.Module, shard, group, x: torch.Tensor, tol: float) -> t
         what = shard(trial)
     except ValueError as e:
         return None, str(e)
+    except Exception as e:  # noqa: BLE001  (a module unlike what the split expects: it stays whole)
+        return None, f"the split fails: {type(e).__name__}: {str(e)[:120]}"
     wrapped = AllReduced(trial, group)
     try:
         with _nan_filled_empties():  # a shard that reads memory it never wrote fails here, not later by chance

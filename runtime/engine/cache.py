@@ -233,7 +233,9 @@ class PagedAttentionLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         """Keys cached before the step, as HF's models read it ("is this the first call?"): 0 on a prefill of
         fresh prompts, else the step's key width less its queries per row (its rows' longest cached context,
-        rounded up to the key width; sizes, so a compiled graph guards on no per-step value)."""
+        rounded up to the key width: sizes, no per-step value). ``fresh`` is a Python bool, so a graph that reads
+        this specialises on it: fresh and continuing prefills compile apart (an engine directory's programs do
+        not tell them apart: the engine passes positions and masks, which HF's models read before this)."""
         if self.fresh:
             return 0
         return self.gather_idx.shape[1] - self.write_slots.shape[0] // self.gather_idx.shape[0]
