@@ -234,7 +234,7 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
         kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
         u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-        # fp32 products (16-bit operands here gave wrong states on the H200 with triton 3.6: bench/TUNING.md)
+        # fp32 products on the 16-bit scratch (bench/TUNING.md, delta rule: why not 16-bit ones)
         w, kd = w.to(tl.float32), kd.to(tl.float32)
         v_new = u - tl.dot(w, h, input_precision=PREC)
         tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new.to(vn_ptr.dtype.element_ty),

@@ -453,23 +453,20 @@ def shard_model(model: nn.Module, group=None, expert_parallel: bool = False,
             else:
                 report.replicated.append(f"{path}: MoE block kept whole ({why})")
             continue
-        if classify(m) == SSM:
+        def split_or_keep(shard, split: str, kept: str) -> None:
+            """``m`` sharded by ``shard`` where the probe proves it, else kept whole; the report says which."""
             taken.append(path)
-            wrapped, what = _try_block(m, lambda b: shard_mamba2(b, rank, world, group), group, x, tol)
+            wrapped, what = _try_block(m, shard, group, x, tol)
             if wrapped is not None:
                 _set_child(model, path, wrapped)
-                report.split.append(f"{path}: SSM mixer, {what}")
+                report.split.append(f"{path}: {split}, {what}")
             else:
-                report.replicated.append(f"{path}: ssm mixer kept whole ({what})")
+                report.replicated.append(f"{path}: {kept} kept whole ({what})")
+        if classify(m) == SSM:
+            split_or_keep(lambda b: shard_mamba2(b, rank, world, group), "SSM mixer", "ssm mixer")
             continue
         if classify(m) == DELTA:
-            taken.append(path)
-            wrapped, what = _try_block(m, lambda b: shard_gated_deltanet(b, rank, world), group, x, tol)
-            if wrapped is not None:
-                _set_child(model, path, wrapped)
-                report.split.append(f"{path}: delta mixer, {what}")
-            else:
-                report.replicated.append(f"{path}: delta mixer kept whole ({what})")
+            split_or_keep(lambda b: shard_gated_deltanet(b, rank, world), "delta mixer", "delta mixer")
             continue
         kind, why = _attention_plan(m, world)
         if kind is not None:
@@ -481,13 +478,7 @@ def shard_model(model: nn.Module, group=None, expert_parallel: bool = False,
             taken.append(path)
             report.replicated.append(f"{path}: attention kept whole ({why})")
         elif _is_mlp(m):
-            taken.append(path)
-            wrapped, what = _try_block(m, lambda b: _shard_mlp(b, rank, world), group, x, tol)
-            if wrapped is not None:
-                _set_child(model, path, wrapped)
-                report.split.append(f"{path}: MLP, {what}")
-            else:
-                report.replicated.append(f"{path}: MLP kept whole ({what})")
+            split_or_keep(lambda b: _shard_mlp(b, rank, world), "MLP", "MLP")
     split, kept = _shard_vocab(model, rank, world, group)
     report.split += split
     report.replicated += kept
