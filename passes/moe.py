@@ -36,6 +36,20 @@ def _probe_input(w: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
     return x.to(w.dtype)
 
 
+def _near_tie_input(w: torch.Tensor, tokens: int, seed: int) -> torch.Tensor | None:
+    """Probe tokens whose logits all sit near one common value (8, spread about 0.1): the relative gaps a
+    sparse mixer thresholds fall on both sides of a threshold of about 0.02. None when no input moves every
+    logit alike (more experts than hidden size)."""
+    wf = w.detach().float().cpu()
+    if wf.shape[0] > wf.shape[1]:
+        return None
+    u = torch.linalg.lstsq(wf, torch.ones(wf.shape[0], 1)).solution.reshape(-1)  # w @ u = 1
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    noise = torch.randn(tokens, wf.shape[1], generator=g)
+    noise = noise * (0.1 / (noise @ wf.t()).std().clamp_min(1e-6))
+    return (8.0 * u + noise).to(device=w.device, dtype=w.dtype)
+
+
 def _router_outputs(outs, tokens: int, num_experts: int):
     """(weights [T,k], ids [T,k]) among whatever the router returns."""
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -57,7 +71,7 @@ def _same_routing(w, ids, ref_w, ref_ids, dtype) -> bool:
 
 
 #: attribute names of a routed scaling factor, on the router or the block
-_SCALES = ("routed_scaling_factor", "route_scale", "routed_scale", "router_scale")
+_SCALES = ("routed_scaling_factor", "router_scaling_factor", "route_scale", "routed_scale", "router_scale")
 
 
 def _scales(owner) -> list[float]:
@@ -73,6 +87,7 @@ def _candidates(owners, bias, num_experts: int, top_k: int) -> list[RouteSpec]:
     scales = sorted({f for o in owners for f in _scales(o)} | {1.0}, reverse=True)
     n_group = int(attr("n_group", "num_group") or 1)
     topk_group = int(attr("topk_group") or 1)
+    jitter = attr("router_jitter_noise", "jitter_eps", "jitter_noise")
     out = []
     for method, renorm, scale, fp32 in itertools.product(METHODS, (False, True), scales, (True, False)):
         # sigmoid routing with one group is plain sigmoid top-k (with or without a correction bias); softmax routing
@@ -80,6 +95,10 @@ def _candidates(owners, bias, num_experts: int, top_k: int) -> list[RouteSpec]:
         groups = n_group if "group" in method else 1
         if num_experts % groups or (method == "softmax_group_topk" and groups <= 1) or (
                 method in ("softmax_bias_topk", "sigmoid_logit_bias_topk") and bias is None):
+            continue
+        if method == "sparsemixer":  # two picks whatever top_k says; the threshold from the router's attribute
+            if isinstance(jitter, (int, float)) and not isinstance(jitter, bool) and jitter >= 0 and not renorm:
+                out.append(RouteSpec(method, 2, False, scale, 1, 1, fp32, float(jitter)))
             continue
         out.append(RouteSpec(method, top_k, renorm, scale, groups, min(topk_group, groups), fp32))
     return out
@@ -123,18 +142,35 @@ def identify_routing(router: torch.nn.Module, linear: torch.nn.Module, bias: tor
         if top_k is None:
             raise Skip("router returns no top-k and the block declares no top_k; routing variant unknown")
         return _candidates(owners, bias, num_experts, top_k)
+    near = None
     for spec in _candidates(owners, bias, num_experts, ids.shape[1]):
-        logits = reference.router_logits(x, w, spec.router_fp32, _logit_bias(linear, num_experts))
-        try:
-            ref_w, ref_ids = reference.route(logits, bias.float() if spec.uses_bias and bias is not None else None,
-                                             **spec.kwargs())
-        except (ValueError, RuntimeError):
+        if not _routes_alike(router, linear, spec, bias, num_experts, x, (weights, ids)):
             continue
-        if _same_routing(weights, ids, ref_w, ref_ids, w.dtype):
-            return [spec]
+        if spec.method == "sparsemixer":  # its threshold matters only near ties: prove it there too
+            near = _near_tie_input(w, 48, seed=4321) if near is None else near
+            if near is not None and not _routes_alike(router, linear, spec, bias, num_experts, near):
+                continue
+        return [spec]
     raise Skip("router matches none of the known routing variants (softmax->top-k, top-k->softmax, "
                "sigmoid (+ correction bias, group-limited or not), softmax group-limited, softmax + correction bias, "
-               "sigmoid with the bias on the logits)")
+               "sigmoid with the bias on the logits, sparse mixer)")
+
+
+def _routes_alike(router, linear, spec: RouteSpec, bias, num_experts: int, x: torch.Tensor, outs=None) -> bool:
+    """Whether the live router's (weights, ids) on ``x`` (``outs`` when already computed) are the reference's."""
+    if outs is None:
+        try:
+            with eager_probe():
+                outs = _router_outputs(router(x), x.shape[0], num_experts)
+        except Skip:
+            return False
+    logits = reference.router_logits(x, linear.weight, spec.router_fp32, _logit_bias(linear, num_experts))
+    try:
+        ref_w, ref_ids = reference.route(logits, bias.float() if spec.uses_bias and bias is not None else None,
+                                         **spec.kwargs())
+    except (ValueError, RuntimeError):
+        return False
+    return _same_routing(*outs, ref_w, ref_ids, linear.weight.dtype)
 
 
 def _sizes(experts, weights) -> tuple[int, int]:

@@ -146,6 +146,13 @@ VARIANTS = {
     "kolibri1": (dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                       shared_expert_intermediate_size=32),
                  "sigmoid_logit_bias_topk, top-2, silu, shared expert"),
+    # Phi-3.5-MoE's sparse mixer: two picks, each weighted by a softmax over the logits within a relative threshold
+    "phimoe": (dict(intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, router_jitter_noise=0.01),
+               "sparsemixer (jitter eps 0.01), top-2, silu"),
+    # the router called with the block's correction bias, its scaling factor named router_scaling_factor
+    "hy_v3": (dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, num_shared_experts=1,
+                   mlp_layer_types=["sparse", "sparse"], router_scaling_factor=2.5),
+              "sigmoid_group_topk, top-2, renormalised, x2.5, silu, shared expert"),
     # a soft-capped SwiGLU (tanh caps on the gate factor and on up, the sigmoid on the raw gate)
     "inkling2_text": (dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2),
                       "sigmoid_group_topk, top-2, renormalised, x8, swiglu_softcap (gate cap 4, up cap 25)"),

@@ -24,11 +24,11 @@ from .triton_routing import route_triton
 
 @triton_op(op_name("moe_route"), mutates_args={})
 def _moe_route(logits: Tensor, bias: Optional[Tensor], method: str, top_k: int, renormalize: bool, scale: float,
-               n_group: int, topk_group: int) -> tuple[Tensor, Tensor]:
+               n_group: int, topk_group: int, jitter_eps: float) -> tuple[Tensor, Tensor]:
     """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k])."""
     fn = route_triton if implementation(logits) == TRITON else reference.route
     return fn(logits, bias, method=method, top_k=top_k, renormalize=renormalize, scale=scale, n_group=n_group,
-              topk_group=topk_group)
+              topk_group=topk_group, jitter_eps=jitter_eps)
 
 
 @triton_op(op_name("moe_experts"), mutates_args={})
@@ -46,11 +46,11 @@ def _moe_experts(x: Tensor, w13: Tensor, w2: Tensor, b13: Optional[Tensor], b2: 
 @triton_op(op_name("moe"), mutates_args={})
 def _moe(x: Tensor, router_w: Tensor, router_logit_bias: Optional[Tensor], router_bias: Optional[Tensor], w13: Tensor,
          w2: Tensor, b13: Optional[Tensor], b2: Optional[Tensor], method: str, top_k: int, renormalize: bool,
-         scale: float, n_group: int, topk_group: int, router_fp32: bool, gated: bool, interleaved: bool,
-         activation: str, transposed: bool, alpha: float, limit: float) -> Tensor:
+         scale: float, n_group: int, topk_group: int, router_fp32: bool, jitter_eps: float, gated: bool,
+         interleaved: bool, activation: str, transposed: bool, alpha: float, limit: float) -> Tensor:
     """Routed experts of one MoE block: x [T, H] -> [T, H] x.dtype (shared experts excluded). Tensors: spec.MoEWeights."""
-    spec = MoESpec.from_args(method, top_k, renormalize, scale, n_group, topk_group, router_fp32, gated, interleaved,
-                             activation, transposed, alpha, limit)
+    spec = MoESpec.from_args(method, top_k, renormalize, scale, n_group, topk_group, router_fp32, jitter_eps,
+                             gated, interleaved, activation, transposed, alpha, limit)
     w13, w2 = _layout(w13, w2, transposed)
     router_bias = None if router_bias is None else router_bias.reshape(-1)  # [E] (some routers keep [1, E])
     fn = moe_triton if implementation(x) == TRITON else reference.moe
@@ -61,13 +61,13 @@ def _moe(x: Tensor, router_w: Tensor, router_logit_bias: Optional[Tensor], route
 def _moe_block(x: Tensor, router_w: Tensor, router_logit_bias: Optional[Tensor], router_bias: Optional[Tensor],
                w13: Tensor, w2: Tensor, b13: Optional[Tensor], b2: Optional[Tensor], shared: Optional[Tensor],
                shared_gate: Optional[Tensor], method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
-               topk_group: int, router_fp32: bool, gated: bool, interleaved: bool, activation: str, transposed: bool,
-               alpha: float, limit: float) -> Tensor:
+               topk_group: int, router_fp32: bool, jitter_eps: float, gated: bool, interleaved: bool, activation: str,
+               transposed: bool, alpha: float, limit: float) -> Tensor:
     """A whole block: x [..., H] -> [..., H] x.dtype; shared [..., H] | None (the block's shared expert output,
     computed in the graph: a plain dense MLP is Inductor's job); shared_gate [..., 1] | None (``sigmoid(gate) *
     shared``, Qwen2-MoE style). On the GPU the shared add runs in the experts' combine kernel, rounded once."""
-    spec = MoESpec.from_args(method, top_k, renormalize, scale, n_group, topk_group, router_fp32, gated, interleaved,
-                             activation, transposed, alpha, limit)
+    spec = MoESpec.from_args(method, top_k, renormalize, scale, n_group, topk_group, router_fp32, jitter_eps,
+                             gated, interleaved, activation, transposed, alpha, limit)
     flat = x.reshape(-1, x.shape[-1])
     weights = MoEWeights(router_w, router_logit_bias, router_bias, w13, w2, b13, b2)
     if implementation(x) == TRITON and (shared is None or shared.dtype == x.dtype):
@@ -100,8 +100,10 @@ define_twin(torch.ops.hybrid.moe_experts.default, _same_as_x_fake)
 
 
 def moe_route(logits: Tensor, bias: Optional[Tensor] = None, *, method: str, top_k: int, renormalize: bool = False,
-              scale: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor]:
-    return torch.ops.hybrid.moe_route(logits, bias, method, top_k, renormalize, float(scale), n_group, topk_group)
+              scale: float = 1.0, n_group: int = 1, topk_group: int = 1,
+              jitter_eps: float = 0.0) -> tuple[Tensor, Tensor]:
+    return torch.ops.hybrid.moe_route(logits, bias, method, top_k, renormalize, float(scale), n_group, topk_group,
+                                      float(jitter_eps))
 
 
 def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, experts: ExpertsSpec | None = None,

@@ -15,6 +15,9 @@ Routing methods (each exactly as Hugging Face computes it; ``scale`` = routed sc
         (-> / (sum + 1e-20) when ``renormalize``) * scale.
   - ``sigmoid_logit_bias_topk``: the bias shifts the logits, not the scores: top-k of logits + bias -> ids;
         weights = sigmoid(logits) at ids (-> / sum when ``renormalize``) * scale.
+  - ``sparsemixer``: Phi-3.5-MoE's selection at inference, k = 2 picks: pick j takes the largest logit m among
+        the experts not yet picked; the experts with (m - s) / max(|s|, m) > 2 * ``jitter_eps`` are masked; its
+        weight is the softmax over the unmasked, not-yet-picked logits at the pick: 1 / sum exp(s - m).
 
 Memory traffic of ``experts`` (the fused kernel's roofline): every touched expert's weights once,
 3 * H * I elements per expert (gated), plus x [T, H] and out [T, H].
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk",
-           "sigmoid_logit_bias_topk")
+           "sigmoid_logit_bias_topk", "sparsemixer")
 #: activations of the experts: act(gate) * up (gated) or act(up); "swiglu_clamp" (gated only, gpt-oss):
 #: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit); "relu2": relu(x)^2;
 #: "swiglu_softcap" (gated only): cap(gate, alpha) * sigmoid(gate) * cap(up, limit) with cap(x, c) = c tanh(x / c)
@@ -36,11 +39,15 @@ COMBINED = ("swiglu_clamp", "swiglu_softcap")
 ELEMENTWISE = tuple(a for a in ACTIVATIONS if a not in COMBINED)
 
 
-def check_route_args(num_experts: int, method: str, top_k: int, n_group: int, topk_group: int) -> None:
+def check_route_args(num_experts: int, method: str, top_k: int, n_group: int, topk_group: int,
+                     jitter_eps: float = 0.0) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown MoE routing method {method!r}; expected one of {METHODS}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if method == "sparsemixer" and not (top_k == 2 and 0 <= jitter_eps < float("inf")):
+        raise ValueError(f"sparsemixer selects 2 experts with a finite jitter_eps >= 0, got top_k={top_k}, "
+                         f"jitter_eps={jitter_eps}")
     if method.endswith("group_topk"):
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
@@ -62,9 +69,10 @@ def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, top2: bool)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int, renormalize: bool,
-          scale: float, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float, n_group: int = 1, topk_group: int = 1,
+          jitter_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]). ``bias`` [E] (DeepSeek-V3 score correction)."""
-    check_route_args(logits.shape[-1], method, top_k, n_group, topk_group)
+    check_route_args(logits.shape[-1], method, top_k, n_group, topk_group, jitter_eps)
     logits = logits.float()
     if method == "softmax_topk":
         weights, ids = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
@@ -89,6 +97,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
         weights = logits.sigmoid().gather(1, ids)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif method == "sparsemixer":
+        weights, ids = _sparsemixer(logits, top_k, jitter_eps)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     else:  # softmax_group_topk
         probs = logits.softmax(dim=-1)
         keep = _group_mask(probs, n_group, topk_group, top2=False)
@@ -97,6 +109,20 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * scale, ids.to(torch.int32)
+
+
+def _sparsemixer(logits: torch.Tensor, top_k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    avail = torch.ones_like(logits, dtype=torch.bool)
+    weights, ids = [], []
+    for _ in range(top_k):
+        m, i = logits.masked_fill(~avail, float("-inf")).max(dim=-1, keepdim=True)
+        # 0 / 0 (a zero logit at a zero maximum) is NaN and compares False: kept, as in HF
+        far = (m - logits) / logits.abs().clamp(min=m) > 2 * jitter_eps
+        keep = avail & ~far
+        weights.append(1.0 / torch.where(keep, torch.exp(logits - m), 0.0).sum(dim=-1, keepdim=True))
+        ids.append(i)
+        avail = avail.scatter(1, i, False)
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 def activation_fn(name: str):
@@ -170,12 +196,12 @@ def router_logits(x: torch.Tensor, router_w: torch.Tensor, router_fp32: bool,
 
 def moe(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
         w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
-        topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
+        topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool, jitter_eps: float = 0.0,
         router_logit_bias: torch.Tensor | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
         alpha: float = 1.0, limit: float = float("inf")) -> torch.Tensor:
     """Routed experts of one MoE block: x [T, H] -> [T, H] (shared experts are not part of it)."""
     logits = router_logits(x, router_w, router_fp32, router_logit_bias)
     weights, ids = route(logits, router_bias, method=method, top_k=top_k, renormalize=renormalize, scale=scale,
-                         n_group=n_group, topk_group=topk_group)
+                         n_group=n_group, topk_group=topk_group, jitter_eps=jitter_eps)
     return experts(x, w13, w2, weights, ids, gated=gated, interleaved=interleaved, activation=activation, b13=b13,
                    b2=b2, alpha=alpha, limit=limit)

@@ -24,8 +24,9 @@ class MoEWeights(NamedTuple):
 
 @dataclass(frozen=True)
 class RouteSpec:
-    """Routing: ``method`` (reference.METHODS), top-k, renormalisation, the routed scaling factor, group limits, and
-    whether the router's matmul runs in fp32 (DeepSeek) or in the activations' dtype."""
+    """Routing: ``method`` (reference.METHODS), top-k, renormalisation, the routed scaling factor, group limits,
+    whether the router's matmul runs in fp32 (DeepSeek) or in the activations' dtype, and the sparse mixer's
+    masking threshold (``jitter_eps``; read by ``sparsemixer`` only)."""
     method: str
     top_k: int
     renormalize: bool = False
@@ -33,10 +34,13 @@ class RouteSpec:
     n_group: int = 1
     topk_group: int = 1
     router_fp32: bool = False
+    jitter_eps: float = 0.0
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown MoE routing method {self.method!r}; expected one of {METHODS}")
+        if self.method != "sparsemixer" and self.jitter_eps:
+            raise ValueError(f"jitter_eps is read by the sparsemixer routing only, not by {self.method}")
 
     @property
     def uses_bias(self) -> bool:
@@ -46,14 +50,15 @@ class RouteSpec:
     def kwargs(self) -> dict:
         """Keyword arguments of ``reference.route`` and the Triton routing launchers."""
         return dict(method=self.method, top_k=self.top_k, renormalize=self.renormalize, scale=float(self.scale),
-                    n_group=self.n_group, topk_group=self.topk_group)
+                    n_group=self.n_group, topk_group=self.topk_group, jitter_eps=float(self.jitter_eps))
 
     def static(self) -> tuple:
         return (self.method, int(self.top_k), bool(self.renormalize), float(self.scale), int(self.n_group),
-                int(self.topk_group), bool(self.router_fp32))
+                int(self.topk_group), bool(self.router_fp32), float(self.jitter_eps))
 
     def describe(self) -> str:
-        return (f"{self.method}, top-{self.top_k}{', renormalised' if self.renormalize else ''}"
+        return (f"{self.method}{f' (jitter eps {self.jitter_eps:g})' if self.method == 'sparsemixer' else ''}, "
+                f"top-{self.top_k}{', renormalised' if self.renormalize else ''}"
                 f"{f', x{self.scale:g}' if self.scale != 1 else ''}")
 
 
@@ -117,8 +122,8 @@ class MoESpec:
 
     @classmethod
     def from_args(cls, method: str, top_k: int, renormalize: bool, scale: float, n_group: int, topk_group: int,
-                  router_fp32: bool, gated: bool, interleaved: bool, activation: str, transposed: bool, alpha: float,
-                  limit: float) -> "MoESpec":
+                  router_fp32: bool, jitter_eps: float, gated: bool, interleaved: bool, activation: str,
+                  transposed: bool, alpha: float, limit: float) -> "MoESpec":
         """The spec an op call's static arguments describe (the inverse of ``moe_args`` / ``block_args``)."""
-        return cls(RouteSpec(method, top_k, renormalize, scale, n_group, topk_group, router_fp32),
+        return cls(RouteSpec(method, top_k, renormalize, scale, n_group, topk_group, router_fp32, jitter_eps),
                    ExpertsSpec(gated, interleaved, activation, transposed, alpha, limit))

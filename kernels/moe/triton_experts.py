@@ -306,7 +306,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tensor | None, w13: torch.Tensor,
                w2: torch.Tensor, *, method: str, top_k: int, renormalize: bool, scale: float, n_group: int,
                topk_group: int, gated: bool, interleaved: bool, activation: str, router_fp32: bool,
-               config: dict | None = None, shared: tuple | None = None, router_logit_bias: torch.Tensor | None = None,
+               jitter_eps: float = 0.0, config: dict | None = None, shared: tuple | None = None, router_logit_bias: torch.Tensor | None = None,
                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, alpha: float = 1.0,
                limit: float = float("inf")) -> torch.Tensor:
     """Route + align + experts; same contract as reference.moe, plus ``shared`` as in ``experts_triton``."""
@@ -316,7 +316,7 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_bias: torch.Tenso
     else:
         logits = router_logits(x, router_w, router_fp32, router_logit_bias)
     route = dict(method=method, top_k=top_k, renormalize=renormalize, scale=scale, n_group=n_group,
-                 topk_group=topk_group)
+                 topk_group=topk_group, jitter_eps=jitter_eps)
     if bucket_for(x.shape[0]) <= ROUTE_ALIGN_MAX_T:
         T, H = x.shape
         I = w2.shape[2]

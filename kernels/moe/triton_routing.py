@@ -95,18 +95,18 @@ def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stri
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le, scale,
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le, scale, eps,
                   E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                   METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
-    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, stride_lt, stride_le, scale, E,
-                EP, TOP_K, KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, T, stride_lt, stride_le, scale, eps,
+                E, EP, TOP_K, KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
 
 
 @triton.jit
 def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T,
-                        stride_lt, stride_le, scale, MAX_PADDED, MAX_BLOCKS,
+                        stride_lt, stride_le, scale, eps, MAX_PADDED, MAX_BLOCKS,
                         E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                         METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -120,14 +120,14 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
     the ids in registers: no store, barrier and reload of the ids, no counting pass. The same layout as align's."""
     pdl_start(PDL)
     if ONE_ROW:
-        id_acc = _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, 0, T, stride_lt, stride_le, scale, E, EP, TOP_K,
-                             KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+        id_acc = _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, 0, T, stride_lt, stride_le, scale, eps, E, EP,
+                             TOP_K, KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
         _one_row_layout(id_acc, sorted_ptr, block_expert_ptr, num_post_ptr, MAX_PADDED, MAX_BLOCKS, TOP_K, KP,
                         BLOCK_T, BM, TAIL, BB)
     else:
         for row0 in range(0, T, BLOCK_T):
-            _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, E, EP, TOP_K, KP,
-                        METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
+            _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, eps, E, EP, TOP_K,
+                        KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
         tl.debug_barrier()
         _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T * TOP_K, MAX_PADDED, MAX_BLOCKS, E, EP,
                      BM, BLOCK, TAIL, BB)
@@ -157,13 +157,13 @@ def _one_row_layout(id_acc, sorted_ptr, block_expert_ptr, num_post_ptr, MAX_PADD
 
 
 @triton.jit
-def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale,
+def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, eps,
                 E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                 METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rows [row0, row0 + BLOCK_T) of logits [T, E] -> weights fp32 / ids int32 [T, TOP_K].
     METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk, 4 softmax_bias_topk,
-    5 sigmoid_logit_bias_topk."""
+    5 sigmoid_logit_bias_topk, 6 sparsemixer (``eps``: its jitter eps)."""
     rows = row0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     rmask = rows < T
@@ -177,7 +177,7 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
         choice = score
         if HAS_BIAS:
             choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    elif METHOD == 1:
+    elif METHOD == 1 or METHOD == 6:
         score = x
         choice = x
     elif METHOD == 5:
@@ -231,7 +231,12 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
         m = tl.max(cand, axis=1)
         idx = tl.min(tl.where((cand == m[:, None]) & avail, cols[None, :], EP), axis=1)
         sel = cols[None, :] == idx[:, None]
-        val = tl.sum(tl.where(sel, score, 0.0), axis=1)
+        if METHOD == 6:  # softmax over the pick and the not-yet-picked logits within the threshold, at the pick
+            thr = 2.0 * tl.cast(eps, tl.float32)
+            far = (m[:, None] - x) / tl.maximum(tl.abs(x), m[:, None]) > thr  # NaN (0 / 0) compares False
+            val = 1.0 / tl.sum(tl.where(avail & ~far, tl.exp(x - m[:, None]), 0.0), axis=1)
+        else:
+            val = tl.sum(tl.where(sel, score, 0.0), axis=1)
         w_acc = tl.where(kcols[None, :] == j, val[:, None], w_acc)
         id_acc = tl.where(kcols[None, :] == j, idx[:, None], id_acc)
         avail = avail & (~sel)
@@ -254,12 +259,12 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
 
 
 def _route_launch(logits: torch.Tensor, bias: torch.Tensor | None, method: str, top_k: int, renormalize: bool,
-                  scale: float, n_group: int, topk_group: int):
+                  scale: float, n_group: int, topk_group: int, jitter_eps: float):
     """(weights, ids, kernel arguments, kernel constexprs, block_t) shared by the two routing launchers."""
     assert logits.dim() == 2, f"logits must be [T, E], got {tuple(logits.shape)}"
     T, E = logits.shape[0], int(logits.shape[1])
     top_k, n_group, topk_group = int(top_k), int(n_group), int(topk_group)  # schema ints arrive as SymInt-able
-    check_route_args(E, method, top_k, n_group, topk_group)
+    check_route_args(E, method, top_k, n_group, topk_group, jitter_eps)
     if bias is not None:
         assert bias.shape == (E,), f"bias must be [E]={E}, got {tuple(bias.shape)}"
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
@@ -277,15 +282,16 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor | None, method: str, 
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int, renormalize: bool,
-                 scale: float, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, n_group: int = 1, topk_group: int = 1,
+                 jitter_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); same contract as reference.route."""
     weights, ids, args, meta, block_t = _route_launch(logits, bias, method, top_k, renormalize, scale, n_group,
-                                                      topk_group)
+                                                      topk_group, jitter_eps)
     T = logits.shape[0]
     if T == 0:
         return weights, ids
     common.launch(_route_kernel)[(triton.cdiv(T, block_t),)](
-        *args, T, logits.stride(0), logits.stride(1), float(scale), **meta, **pdl_opts(logits))
+        *args, T, logits.stride(0), logits.stride(1), float(scale), float(jitter_eps), **meta, **pdl_opts(logits))
     return weights, ids
 
 
@@ -295,10 +301,12 @@ ROUTE_ALIGN_MAX_T = 16
 
 
 def route_align_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k: int,
-                       renormalize: bool, scale: float, n_group: int, topk_group: int, block_m: int):
+                       renormalize: bool, scale: float, n_group: int, topk_group: int, block_m: int,
+                       jitter_eps: float = 0.0):
     """``route_triton`` then ``align_triton(ids, E, block_m)`` in one single-program launch (decode: a few
     tokens) -> (weights, ids, (sorted_token_ids, block_expert_ids, num_tokens_post_padded))."""
-    weights, ids, args, meta, _ = _route_launch(logits, bias, method, top_k, renormalize, scale, n_group, topk_group)
+    weights, ids, args, meta, _ = _route_launch(logits, bias, method, top_k, renormalize, scale, n_group, topk_group,
+                                                jitter_eps)
     T, E = logits.shape[0], int(logits.shape[1])
     N = T * int(top_k)
     max_padded, max_blocks, _ = align_sizes(N, E, block_m)
@@ -309,7 +317,8 @@ def route_align_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, metho
         return weights, ids, layout
     block = max(16, min(256, common.pow2_at_least(size_hint(N))))
     common.launch(_route_align_kernel)[(1,)](
-        *args, *layout, T, logits.stride(0), logits.stride(1), float(scale), max_padded, max_blocks, **meta,
+        *args, *layout, T, logits.stride(0), logits.stride(1), float(scale), float(jitter_eps), max_padded,
+        max_blocks, **meta,
         BM=block_m, BLOCK=block, TAIL=1024, BB=64, ONE_ROW=bool(T == 1), **pdl_opts(logits))
     return weights, ids, layout
 
