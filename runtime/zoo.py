@@ -128,6 +128,14 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=8192),
              "Qwen3-30B-A3B widths (128 small experts, top-8), 2 layers", realistic=True),
+    ZooEntry("granite-4.0-h-tiny-shape", "granitemoehybrid", dict(
+        vocab_size=100352, hidden_size=1536, intermediate_size=512, shared_intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=12, num_key_value_heads=4, num_local_experts=64, num_experts_per_tok=6,
+        layer_types=["mamba"] * 3 + ["attention"], mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, position_embedding_type="nope",
+        max_position_embeddings=8192),
+             "Granite-4.0-H-Tiny widths (Mamba2 48 heads x 64 + NoPE attention + 64 experts top-6 and a shared MLP in "
+             "every layer), 4 layers 3:1", realistic=True),
     ZooEntry("qwen3-next-80b-a3b-shape", "qwen3_next", dict(
         num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=65536),
              "Qwen3-Next-80B-A3B widths (Gated DeltaNet 16 key / 32 value heads x 128, 512 experts top-10), "
