@@ -5,7 +5,9 @@
 Per model: `hybrid export` into a temporary directory (timed), then in fresh processes `hybrid generate MODEL` (which
 traces and compiles) and `hybrid generate ENGINE_DIR` (no compile), each timed from process start to the first
 tokens (the whole process: start, load or compile, 16 greedy tokens of 2 prompts, exit), their tokens compared. ``--tpot``: in this process, the
-decode TPOT of B = 8 streams from each engine (the in-process compiled engine is the baseline), the same run.
+decode TPOT of B = 8 streams from each engine (the in-process compiled engine is the baseline), the same run; an
+engine directory with AOTInductor packages (`--aot inductor`, the default on cuda) also through its exported
+programs (HYBRID_ENGINE_ROUTE=exported).
 """
 from __future__ import annotations
 
@@ -90,7 +92,9 @@ def main(argv=None) -> int:
         if p.returncode:
             rows.append(row)
             continue
-        row["graphs"] = len(json.loads((d / "manifest.json").read_text())["programs"])
+        manifest = json.loads((d / "manifest.json").read_text())
+        row["graphs"] = len(manifest["programs"])
+        row["aot"] = manifest.get("aot", {}).get("route", "none")
         if args.cold:  # one fresh process each: start, load (and compile), 16 greedy tokens for 2 prompts, exit
             toks = {}
             for name, target in (("model_dir", model), ("engine_dir", str(d))):
@@ -105,13 +109,20 @@ def main(argv=None) -> int:
             for k, v in phases(str(d), args.device).items():
                 row[f"engine_dir_{k}"] = v
             log("phases", f"{model}: {row}")
-        if args.tpot:
+        if args.tpot:  # engine_dir: its AOTInductor packages where it has them; engine_dir_exported: its programs
+            import os
+
             from runtime.engine import Engine
-            for name, target in (("in_process", model), ("engine_dir", str(d))):
+            runs = [("in_process", model), ("engine_dir", str(d))]
+            if row["aot"] == "inductor":
+                runs.append(("engine_dir_exported", str(d)))
+            for name, target in runs:
+                os.environ["HYBRID_ENGINE_ROUTE"] = "exported" if name == "engine_dir_exported" else "packaged"
                 engine = Engine.from_pretrained(target, device=args.device, max_num_seqs=8)
                 row[f"tpot_{name}_ms"] = round(tpot(engine, 8, 48), 3)
                 log("tpot", f"{model} {name}: {row[f'tpot_{name}_ms']} ms")
                 del engine
+            os.environ.pop("HYBRID_ENGINE_ROUTE")
             row["tpot_ratio"] = round(row["tpot_engine_dir_ms"] / row["tpot_in_process_ms"], 3)
         rows.append(row)
     cols = sorted({k for r in rows for k in r}, key=lambda k: (k != "model", k))

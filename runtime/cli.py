@@ -298,7 +298,7 @@ def cmd_export(args) -> int:
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     t0 = time.perf_counter()
     export_engine(args.model, args.out_dir, device=args.device or "cpu", dtype=dtype, max_batch=args.max_batch,
-                  max_seq_len=args.max_seq_len, force=args.force,
+                  max_seq_len=args.max_seq_len, force=args.force, aot=args.aot,
                   progress=lambda msg: _say(f"[{time.perf_counter() - t0:6.1f}s] {msg}"))
     _say(f"run it with: hybrid generate {args.out_dir} --prompt-ids 5,6,7")
     return 0
@@ -464,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-seq-len", type=_int_at_least(1), default=None,
                    help="longest sequence, prompt + output (default: the model's maximum)")
     x.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (its engine files replaced)")
+    x.add_argument("--aot", choices=("inductor", "none"), default=None,
+                   help="inductor: also compile every graph into an AOTInductor package, which loads fused (needs a "
+                   "C++ compiler that links libstdc++ dynamically: $CXX, g++ or /usr/bin/g++); none: the exported "
+                   "graphs alone, run unfused. Default: inductor on cuda, none on cpu")
     x.set_defaults(fn=cmd_export)
 
     z = sub.add_parser("zoo", parents=[debug], help="list the model zoo or save a zoo model as an HF directory")

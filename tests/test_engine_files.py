@@ -3,6 +3,7 @@ refusals of a directory that does not fit."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -160,3 +161,81 @@ def test_requests_beyond_the_exported_limits(exported, tmp_path):
         Engine.from_pretrained(str(path), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="compiled already"):
         Engine.from_engine(path, compile="hybrid")
+
+
+def test_aot_inductor_packages_load_in_a_fresh_process(tmp_path):
+    """``aot="inductor"``: every program also compiled by AOTInductor (linked against libstdc++ dynamically, checked
+    against its exported program at export); a fresh process runs the packages, traces nothing and compiles nothing,
+    and generates HF's greedy tokens; HYBRID_ENGINE_ROUTE=exported runs the exported programs of the same
+    directory, with the same tokens."""
+    import zipfile
+
+    from runtime.aot.package import needed_libraries
+    path = tmp_path / "llama"
+    export_engine("llama", path, aot="inductor", progress=lambda msg: None)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["aot"]["route"] == "inductor" and all(p["package"] for p in manifest["programs"])
+    with zipfile.ZipFile(path / manifest["programs"][0]["package"]) as z:
+        so = next(n for n in z.namelist() if n.endswith(".so"))
+        assert any(lib.startswith("libstdc++") for lib in needed_libraries(z.extract(so, tmp_path)))
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        from torch._dynamo.utils import counters
+        from runtime.engine import Engine, SamplingParams
+        engine = Engine.from_pretrained({str(path)!r})
+        kinds = sorted({{type(p).__name__ for ps in engine.model._programs.values() for _, p in ps}})
+        out = engine.generate({PROMPTS!r}, SamplingParams(max_tokens=6, ignore_eos=True))
+        print(json.dumps([kinds, counters["frames"]["total"], counters["inductor"].get("fxgraph_cache_miss", 0),
+                          [o.token_ids for o in out]]))
+    """)
+    want = [hf_greedy("llama", prompt, 6) for prompt in PROMPTS]
+    for route, kind in (("packaged", "AOTICompiledModel"), ("exported", "GraphModule")):
+        env = dict(os.environ, HYBRID_ENGINE_ROUTE=route)
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        kinds, frames, misses, tokens = json.loads(p.stdout.strip().splitlines()[-1])
+        assert kinds == [kind] and frames == 0 and misses == 0 and tokens == want, (route, kinds, frames, misses)
+
+
+def test_a_compiler_that_links_libstdcxx_statically_is_refused(tmp_path, monkeypatch):
+    from runtime.aot.package import PackageError, choose_compiler
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    cxx = tmp_path / "static-g++"
+    cxx.write_text('#!/bin/sh\nexec g++ -static-libstdc++ "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    with pytest.raises(PackageError, match="does not build shared objects that link libstdc.. dynamically"):
+        choose_compiler()
+    monkeypatch.setenv("CXX", shutil.which("g++"))
+    assert choose_compiler() == shutil.which("g++")
+
+
+def test_infinite_bounds_become_finite_in_packages():
+    """AOTInductor writes a custom op's float arguments as JSON numbers: the MoE experts' limit of inf (no clamp)
+    goes into the package as float32's largest value, which clamps no finite value either."""
+    import math
+
+    from kernels.moe import ops  # noqa: F401
+    from runtime.aot.package import FLOAT_MAX, finite_bounds
+
+    def f(x, w13, w2, weights, ids):
+        return torch.ops.hybrid.moe_experts(x, w13, w2, None, None, weights, ids, True, False, "swiglu_clamp", False,
+                                            1.702, float("inf"))
+    args = (torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 6), torch.rand(3, 2),
+            torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32))
+    ep = torch.export.export(_Wrap(f), args)
+    fixed = finite_bounds(ep)
+    limits = [n.args[-1] for n in fixed.graph.nodes if "moe_experts" in str(n.target)]
+    assert limits == [FLOAT_MAX] and any(math.isinf(n.args[-1]) for n in ep.graph.nodes
+                                         if "moe_experts" in str(n.target))
+    torch.testing.assert_close(fixed.module()(*args), ep.module()(*args))
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)

@@ -45,6 +45,8 @@ class Capture:
         self.programs: dict[str, list[tuple[ProgramSpec, torch.export.ExportedProgram]]] = {}
         self.weights: dict[str, torch.Tensor] = {}
         self.consts: dict[str, torch.Tensor] = {}
+        #: id(program) -> its inputs as the captured call had them (the check of a compiled package runs on them)
+        self.examples: dict[int, list] = {}
         names = {}
         for n, t in [*self.model.named_parameters(remove_duplicate=False),
                      *self.model.named_buffers(remove_duplicate=False)]:
@@ -190,6 +192,7 @@ class Capture:
         and states (the same ops in the same order: equal up to rounding)."""
         args = [before[name] if kind == "step" else (self.weights[name] if kind == "weight" else self.consts[name])
                 for kind, name in spec.inputs]
+        self.examples[id(ep)] = [a.clone() if kind == "step" else a for a, (kind, _) in zip(args, spec.inputs)]
         with torch.no_grad():
             out = ep.module()(*args)
         pairs = [(out[spec.logits], logits)] + [(out[i], outputs[i]) for i in spec.states.values()]

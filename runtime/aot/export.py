@@ -16,6 +16,9 @@ import torch
 
 from runtime.engine.exported import FORMAT, MANIFEST, TRITON_CACHE, device_info, sha256, versions
 
+#: "inductor": every program also as an AOTInductor package; "none": the exported programs alone
+AOT_ROUTES = ("inductor", "none")
+
 
 def _spec_json(spec) -> dict:
     d = dataclasses.asdict(spec)
@@ -65,8 +68,10 @@ def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[lis
 def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
                   max_batch: int = 32, max_seq_len: int | None = None, block_size: int = 16,
                   max_prefill_tokens: int = 512, compile_options: dict | None = None, force: bool = False,
-                  progress=print) -> Path:
-    """Export the model ``name_or_path`` (a zoo name or an HF model directory) as an engine directory."""
+                  aot: str | None = None, progress=print) -> Path:
+    """Export the model ``name_or_path`` (a zoo name or an HF model directory) as an engine directory. ``aot``:
+    "inductor" compiles every program into an AOTInductor package too (the route that loads fused; the default on
+    cuda), "none" keeps the exported programs alone (the default on cpu, where they run about as fast)."""
     from runtime import zoo
     from runtime.engine import Engine, SamplingParams
 
@@ -76,6 +81,13 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
         raise FileExistsError(f"{out} exists and is not an empty directory: give a new path, or --force to replace "
                               "the engine files in it")
     dev = zoo.check_device(device)
+    aot = aot or ("inductor" if dev.type == "cuda" else "none")
+    if aot not in AOT_ROUTES:
+        raise ValueError(f"aot={aot!r}: expected one of {', '.join(AOT_ROUTES)}")
+    cxx = None
+    if aot == "inductor":  # before the long part: a compiler that cannot build loadable packages fails here
+        from .package import choose_compiler
+        cxx = choose_compiler()
     if dev.type == "cuda":  # the Triton kernels the export compiles ship in the directory (load_model reads them)
         out.mkdir(parents=True, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = str((out / TRITON_CACHE).resolve())
@@ -102,11 +114,12 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
         if cap.count == before or not runs:
             break
     _write(out, engine, cap, model, tokenizer, dev, dtype, dict(max_batch=max_batch, max_seq_len=max_seq_len,
-                                                                  max_prefill_tokens=chunk), block_size, progress)
+                                                                  max_prefill_tokens=chunk), block_size, cxx, progress)
     return out
 
 
-def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, block_size: int, progress):
+def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, block_size: int, cxx: str | None,
+           progress):
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
     (out / "programs").mkdir(exist_ok=True)
@@ -120,10 +133,17 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
     save_file({k: v.detach().contiguous().clone() for k, v in cap.weights.items()}, str(out / "weights.safetensors"))
     save_file({k: v.contiguous() for k, v in cap.consts.items()}, str(out / "consts.safetensors"))
     programs = []
+    total = cap.count
     for key in sorted(cap.programs):
         for spec, ep in cap.programs[key]:
-            spec.file = f"programs/{len(programs)}.pt2"
+            n = len(programs)
+            spec.file = f"programs/{n}.pt2"
             torch.export.save(ep, str(out / spec.file))
+            if cxx is not None:
+                from .package import build_package
+                progress(f"compiling graph {n + 1}/{total} with AOTInductor ({cxx}): {spec.key}")
+                spec.package = f"programs/{n}.aoti.pt2"
+                build_package(ep, cap.examples[id(ep)], out / spec.package, cxx)
             programs.append(spec.to_json())
     plan = {"specs": [_spec_json(s) for s in engine._layer_specs], "prefill_note": engine.prefill_note,
             "own_attention": engine._own_attention, "block_size": block_size,
@@ -132,7 +152,8 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
     files = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*"))
              if p.is_file() and p.relative_to(out).parts[0] != TRITON_CACHE}  # Triton checks its own cache
     manifest = {"format": FORMAT, "versions": versions(), "device": device_info(dev), "dtype": str(dtype),
-                "engine": plan, "programs": programs, "files": files}
+                "aot": {"route": "inductor" if cxx else "none", "compiler": cxx}, "engine": plan,
+                "programs": programs, "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     progress(f"wrote {out}: {len(programs)} graphs, {len(files)} files")
 

@@ -8,15 +8,17 @@ An engine directory holds:
   - ``config.json`` / ``generation_config.json`` and the tokenizer files, as the model directory had them;
   - ``weights.safetensors`` (the tensors the graphs read, by the model's parameter names) and
     ``consts.safetensors`` (other tensors the graphs read: scalars the model keeps);
-  - ``programs/*.pt2``: one ``torch.export`` program per kind of model call (``variant_key``) and size range;
+  - ``programs/N.pt2``: one ``torch.export`` program per kind of model call (``variant_key``) and size range, and
+    ``programs/N.aoti.pt2`` (exported with ``--aot inductor``, the default on cuda): the same program compiled by
+    AOTInductor, which runs in its place (fused) where it loads;
   - ``triton/`` (GPU engines): the Triton cache of the kernels the export ran, used at load (no JIT compile of them).
 It is tied to the torch and triton versions and the device kind (and GPU architecture) it was exported with:
 anything else is refused in one line (``EngineFileError``).
 
 ``ExportedModel.forward`` has the HF signature the engine calls: each call's tensors (``step_tensors``) pick the
 program of its variant and are passed to it with the weights; the SSM states a fresh prefill makes are left on the
-cache as HF's code leaves them. No dynamo, no Inductor, no modeling code: the programs are ATen graphs with hybrid's
-ops.
+cache as HF's code leaves them. No dynamo, no Inductor compile, no modeling code: the programs are ATen graphs with
+hybrid's ops, or their AOTInductor packages (compiled at export).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import json
 import os
 import platform
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -90,6 +93,7 @@ class ProgramSpec:
     logits: int
     states: dict[str, int]
     dims: dict[str, list[list[int | None]]] = dataclasses.field(default_factory=dict)
+    package: str | None = None  # the program compiled by AOTInductor (the route that runs it fused), if built
 
     def fits(self, named: dict[str, torch.Tensor]) -> bool:
         for name, dims in self.dims.items():
@@ -107,7 +111,7 @@ class ProgramSpec:
     @classmethod
     def from_json(cls, d: dict) -> "ProgramSpec":
         return cls(d["key"], d["file"], [tuple(x) for x in d["inputs"]], d["logits"], dict(d["states"]),
-                   {k: [list(x) for x in v] for k, v in d.get("dims", {}).items()})
+                   {k: [list(x) for x in v] for k, v in d.get("dims", {}).items()}, d.get("package"))
 
 
 class MissingProgram(RuntimeError):
@@ -242,6 +246,23 @@ def check_manifest(path: Path, manifest: dict, device: torch.device) -> None:
                                   "was changed; copy the directory again or export it again")
 
 
+#: HYBRID_ENGINE_ROUTE=exported runs an engine directory's exported programs even where it holds AOTInductor packages
+ROUTE_ENV = "HYBRID_ENGINE_ROUTE"
+
+
+def _load_package(path: Path, spec: ProgramSpec):
+    """The AOTInductor package of ``spec``, or None (with a warning naming it) when it does not load here: its
+    exported program then runs the calls, exactly and slower."""
+    import torch._inductor
+    try:
+        return torch._inductor.aoti_load_package(str(path / spec.package))
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"hybrid engine: {path / spec.package} does not load as an AOTInductor package "
+                      f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); its exported program runs instead "
+                      "(unfused, slower)", stacklevel=3)
+        return None
+
+
 def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None):
     """The ExportedModel of an engine directory (checked: ``check_manifest``) and its tokenizer (or None)."""
     from safetensors.torch import load_file
@@ -277,13 +298,16 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
     weights = {k: v.to(dev) for k, v in sorted(loaded, key=lambda kv: kv[1].dtype != want)}
     consts = {k: v.to(dev) for k, v in load_file(str(path / "consts.safetensors")).items()}
     programs = {}
+    packaged = os.environ.get(ROUTE_ENV, "packaged") != "exported"
     for d in manifest["programs"]:
         spec = ProgramSpec.from_json(d)
-        try:
-            program = torch.export.load(str(path / spec.file)).module()
-        except Exception as e:  # noqa: BLE001
-            raise EngineFileError(f"{path / spec.file} does not load as an exported program ({type(e).__name__}: "
-                                  f"{' '.join(str(e).split())[:200]}): export the engine again") from None
+        program = _load_package(path, spec) if packaged and spec.package else None
+        if program is None:
+            try:
+                program = torch.export.load(str(path / spec.file)).module()
+            except Exception as e:  # noqa: BLE001
+                raise EngineFileError(f"{path / spec.file} does not load as an exported program ({type(e).__name__}: "
+                                      f"{' '.join(str(e).split())[:200]}): export the engine again") from None
         programs.setdefault(spec.key, []).append((spec, program))
     plan = dict(manifest["engine"])
     plan["specs"] = [_spec_from_json(s) for s in plan["specs"]]
