@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--aot", choices=("inductor", "none"), default=None,
                    help="inductor: also compile every graph into an AOTInductor package, which loads fused (needs a "
                    "C++ compiler that links libstdc++ dynamically: $CXX, g++ or /usr/bin/g++); none: the exported "
-                   "graphs alone, run unfused. Default: inductor on cuda, none on cpu")
+                   "graphs alone, run unfused (the default)")
     x.set_defaults(fn=cmd_export)
 
     z = sub.add_parser("zoo", parents=[debug], help="list the model zoo or save a zoo model as an HF directory")

@@ -134,7 +134,7 @@ def build_package(ep, example: list, path: Path, cxx: str) -> None:
         raise PackageError(f"AOTInductor cannot compile {path.name} ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:300]})") from None
     check_package(path)
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
     clones = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in example]  # noqa: E731
     with torch.no_grad():
         want = ep.module()(*clones())

@@ -9,7 +9,7 @@ An engine directory holds:
   - ``weights.safetensors`` (the tensors the graphs read, by the model's parameter names) and
     ``consts.safetensors`` (other tensors the graphs read: scalars the model keeps);
   - ``programs/N.pt2``: one ``torch.export`` program per kind of model call (``variant_key``) and size range, and
-    ``programs/N.aoti.pt2`` (exported with ``--aot inductor``, the default on cuda): the same program compiled by
+    ``programs/N.aoti.pt2`` (exported with ``--aot inductor``): the same program compiled by
     AOTInductor, which runs in its place (fused) where it loads;
   - ``triton/`` (GPU engines): the Triton cache of the kernels the export ran, used at load (no JIT compile of them).
 It is tied to the torch and triton versions and the device kind (and GPU architecture) it was exported with:
@@ -255,7 +255,8 @@ def _load_package(path: Path, spec: ProgramSpec):
     exported program then runs the calls, exactly and slower."""
     import torch._inductor
     try:
-        return torch._inductor.aoti_load_package(str(path / spec.package))
+        # single-threaded: no model-container pool and its stream synchronisation, which a CUDA graph capture forbids
+        return torch._inductor.aoti_load_package(str(path / spec.package), run_single_threaded=True)
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"hybrid engine: {path / spec.package} does not load as an AOTInductor package "
                       f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); its exported program runs instead "
