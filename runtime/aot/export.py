@@ -71,7 +71,7 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
                   aot: str | None = None, progress=print) -> Path:
     """Export the model ``name_or_path`` (a zoo name or an HF model directory) as an engine directory. ``aot``:
     "inductor" compiles every program into an AOTInductor package too (the route that loads fused), "none" (the
-    default) keeps the exported programs alone: on the H200 the packages did not yet replay as CUDA graphs
+    default) keeps the exported programs alone: decode over packages under CUDA graphs is not confirmed yet
     (docs/engine-files.md)."""
     from runtime import zoo
     from runtime.engine import Engine, SamplingParams
