@@ -1,4 +1,4 @@
-"""Gated delta-rule kernels (kernels/delta) against flash-linear-attention and HF's torch paths, on one GPU.
+"""Gated delta-rule kernels (hybrid_kernels/delta) against flash-linear-attention and HF's torch paths, on one GPU.
 
   python bench/delta.py --out bench/results/DATE_delta_h200.json   # H200, a few minutes
   python bench/delta.py --smoke                                     # tiny shapes (CPU interpreter or GPU)
@@ -81,7 +81,7 @@ def fla_call(fn, q, k, v, g, beta, state):
 
 
 def prefill_rows(lengths, fla, dev, save=lambda rows: None):
-    from kernels.delta.triton_chunk import delta_rule_chunk_triton
+    from hybrid_kernels.delta.triton_chunk import delta_rule_chunk_triton
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
     rows = []
@@ -138,8 +138,8 @@ def kernel_times(fn) -> dict:
 
 def decode_sweep(dev) -> list[dict]:
     """The step kernel's value block and warps at B = 64, both shapes (bench/TUNING.md)."""
-    from kernels.delta.triton_config import CONFIG
-    from kernels.delta.triton_step import delta_rule_step_triton
+    from hybrid_kernels.delta.triton_config import CONFIG
+    from hybrid_kernels.delta.triton_step import delta_rule_step_triton
     rows, saved = [], dict(CONFIG["step"])
     for name, s in SHAPES.items():
         B = 64
@@ -163,8 +163,8 @@ def decode_sweep(dev) -> list[dict]:
 
 def prefill_sweep(dev, T: int = 4096) -> list[dict]:
     """The prefill kernels' warps and chunk length at T = 4K, both shapes: GPU time per kernel (bench/TUNING.md)."""
-    from kernels.delta import triton_chunk
-    from kernels.delta.triton_config import CONFIG
+    from hybrid_kernels.delta import triton_chunk
+    from hybrid_kernels.delta.triton_config import CONFIG
     rows, saved = [], dict(CONFIG["chunk"])
     for name, s in SHAPES.items():
         q, k, v, g, beta = inputs(1, T, s["HK"], s["HV"], s["K"], s["V"], s["per_channel"], dev)
@@ -187,7 +187,7 @@ def prefill_sweep(dev, T: int = 4096) -> list[dict]:
 
 
 def decode_rows(batches, fla, dev):
-    from kernels.delta.triton_step import delta_rule_step_triton
+    from hybrid_kernels.delta.triton_step import delta_rule_step_triton
     rows = []
     for name, s in SHAPES.items():
         for B in batches:
@@ -250,12 +250,12 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--no-fla", action="store_true", help="leave out the fla baseline (its first calls autotune)")
     ap.add_argument("--lengths", help="comma-separated prefill lengths (default 4096,16384,32768)")
-    ap.add_argument("--chunk-config", help='JSON over kernels/delta CONFIG["chunk"], e.g. \'{"state_stages": 2}\'')
+    ap.add_argument("--chunk-config", help='JSON over hybrid_kernels/delta CONFIG["chunk"], e.g. \'{"state_stages": 2}\'')
     args = ap.parse_args()
     if args.chunk_config:
         import json
 
-        from kernels.delta.triton_config import CONFIG
+        from hybrid_kernels.delta.triton_config import CONFIG
         CONFIG["chunk"].update(json.loads(args.chunk_config))
     sections = set(args.sections.split(","))
     for name in set(SHAPES) - set(args.shapes.split(",")):

@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import HBM_BPS, log, write  # noqa: E402
-from kernels.linear.triton_gemv import linear_triton, pick_config  # noqa: E402
+from hybrid_kernels.linear.triton_gemv import linear_triton, pick_config  # noqa: E402
 
 MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]
 
@@ -171,7 +171,7 @@ def row(model, layer, Ns, K, M, args, dev, dtype) -> dict:
 def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
     """Mamba2's decode tail: gated RMSNorm then out_proj. ours: one launch (the norm as the prologue); before: the
     norm kernel then hybrid::linear (Triton at one row, cuBLAS at more); also the norm then cuBLAS."""
-    from kernels.ssm.triton_norm import gated_rms_norm_triton
+    from hybrid_kernels.ssm.triton_norm import gated_rms_norm_triton
     wbytes = N * K * 2
     ws, g = cold_weights(N, K, dev, dtype, N + K + M)
     copies = len(ws)
@@ -188,7 +188,7 @@ def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
         r["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
     if dev != "cuda":
         return r
-    import kernels  # noqa: F401  (hybrid::linear)
+    import hybrid_kernels  # noqa: F401  (hybrid::linear)
     R = max(8, copies)
     nbytes = wbytes + 2 * M * K * 2 + M * N * 2
     r["cublas_us"] = per_call_us([lambda i=i: torch.nn.functional.linear(gated_rms_norm_triton(y, z, nw, 1e-5, K),
@@ -212,7 +212,7 @@ def gated_row(N: int, K: int, M: int, args, dev, dtype) -> dict:
 
 
 def _gated_ref(y, z, nw):
-    from kernels.ssm.reference import gated_rms_norm_ref
+    from hybrid_kernels.ssm.reference import gated_rms_norm_ref
     return gated_rms_norm_ref(y, z, nw, 1e-5, y.shape[-1]).float()
 
 
@@ -252,8 +252,8 @@ def conv_row(N: int, K: int, C: int, c0: int, dev, dtype) -> dict:
     """Mamba2's decode in projection with the conv update as its epilogue (``linear_conv_triton``), against the
     projection alone (same kernel and config: the epilogue's cost) and the projection then the conv-update kernel.
     Each call has its own weight copy and conv state (cold, as in a decode step)."""
-    from kernels.linear.triton_gemv import conv_config, linear_conv_triton
-    from kernels.ssm.triton_conv import causal_conv1d_update_triton
+    from hybrid_kernels.linear.triton_gemv import conv_config, linear_conv_triton
+    from hybrid_kernels.ssm.triton_conv import causal_conv1d_update_triton
     wbytes = N * K * 2
     ws, g = cold_weights(N, K, dev, dtype, N + K)
     copies = len(ws)
@@ -300,7 +300,7 @@ def conv_table(rows: list[dict]) -> str:
 def norm_row(N: int, K: int, args, dev, dtype) -> dict:
     """RMSNorm as the gemv kernel's prologue (what ``hybrid::norm_linear`` runs at one row, config GEMV_NORM) against
     an Inductor norm kernel + what ``hybrid::linear`` runs; --sweep: every gemv config too."""
-    from kernels.linear.triton_gemv import GEMV_NORM
+    from hybrid_kernels.linear.triton_gemv import GEMV_NORM
     wbytes = N * K * 2
     ws, g = cold_weights(N, K, dev, dtype, N + K)
     copies = len(ws)
@@ -341,7 +341,7 @@ def glu_row(N: int, K: int, args, dev, dtype) -> dict:
     """A gated MLP's input: RMSNorm + gate and up + silu(gate) * up in one gemv launch (``hybrid::norm_linear`` with
     glu at one row, the config ``pick_config`` picks) against the same launch without the norm at GEMV's config;
     --sweep: every gemv config."""
-    from kernels.linear.triton_gemv import GEMV
+    from hybrid_kernels.linear.triton_gemv import GEMV
     picked = pick_config(1, [N, N], K, norm=True, glu=True)
     wbytes = 2 * N * K * 2
     ws, g = cold_weights(2 * N, K, dev, dtype, N + K)

@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.library import GLUON  # noqa: E402
-from kernels.mla import gluon, gluon_common, gluon_narrow, gluon_wide, ops, triton_cache, triton_step  # noqa: E402
-from kernels.mla import reference as ref  # noqa: E402
-from kernels.mla import triton_attention as kernels  # noqa: E402
-from kernels.mla.triton_cache import _mla_cache_write_kernel  # noqa: E402
+from hybrid_kernels.library import GLUON  # noqa: E402
+from hybrid_kernels.mla import gluon, gluon_common, gluon_narrow, gluon_wide, ops, triton_cache, triton_step  # noqa: E402
+from hybrid_kernels.mla import reference as ref  # noqa: E402
+from hybrid_kernels.mla import triton_attention as kernels  # noqa: E402
+from hybrid_kernels.mla.triton_cache import _mla_cache_write_kernel  # noqa: E402
 
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
 FULL = dict(L=512, R=64, P=128, V=128, block=64, heads=[16, 128], batches=[1, 8, 32, 64, 128],
@@ -291,7 +291,7 @@ def tune_candidates(regime: str, smoke: bool) -> tuple[list[dict], list[tuple[in
     grid = TUNE[regime]
     keys = ["block_h", "block_n", "num_warps", "num_stages", "per_sm"]
     shipped = dict(kernels.CONFIGS[regime])
-    cands = [shipped] + [c for c in (dict(zip(keys, (*k, p))) for k in grid["kernels"] for p in grid["per_sm"])
+    cands = [shipped] + [c for c in (dict(zip(keys, (*k, p))) for k in grid["hybrid_kernels"] for p in grid["per_sm"])
                          if c != shipped]
     if smoke:
         return cands[:2], [(2, 64)]
@@ -650,7 +650,7 @@ def main() -> None:
         for r in sorted(tune_rows[regime], key=lambda r: r["ms"])[:12]:
             log(f"    {r['cfg']} splits {r['splits']}: {r['ms']:.4f} ms "
                 f"({' + '.join(f'{t:.4f}' for t in r['per_shape_ms'])})")
-        log(f"  -> best {regime}: {tuned[regime]} (paste into kernels/mla/triton_attention.py CONFIGS if it differs)")
+        log(f"  -> best {regime}: {tuned[regime]} (paste into hybrid_kernels/mla/triton_attention.py CONFIGS if it differs)")
     rows = []
     for H in heads:
         regime = "decode_small_h" if H <= 32 else "decode_large_h"

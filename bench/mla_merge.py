@@ -20,9 +20,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mla import make_paged, time_ms  # noqa: E402
-from kernels.mla import gluon  # noqa: E402
-from kernels.mla import gluon_common as widths  # noqa: E402
-from kernels.mla import triton_attention as kernels  # noqa: E402
+from hybrid_kernels.mla import gluon  # noqa: E402
+from hybrid_kernels.mla import gluon_common as widths  # noqa: E402
+from hybrid_kernels.mla import triton_attention as kernels  # noqa: E402
 
 SHAPES = ((16, 1024, 64), (16, 4096, 32), (16, 16384, 8), (16, 1024, 1), (16, 16384, 1), (16, 4096, 8),
           (128, 4096, 32), (128, 1024, 8), (128, 16384, 1))       # (heads, S, B)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import log, time_ms, write  # noqa: E402
 from runtime import zoo  # noqa: E402
 from runtime.hf import cache_kwarg, quiet_transformers  # noqa: E402
-from kernels.numerics import rel_err  # noqa: E402
+from hybrid_kernels.numerics import rel_err  # noqa: E402
 
 MODELS = ["deepseek-v2-lite-shape", "mamba2-2.7b-shape", "mixtral-8x7b-shape"]
 VARIANTS = ["eager", "inductor", "hybrid", "inductor-cg", "hybrid-cg"]

@@ -32,8 +32,8 @@ import triton  # noqa: E402
 import transformers  # noqa: E402
 
 from bench.common import environment  # noqa: E402
-from kernels.moe import reference
-from kernels.moe import triton_common as common, triton_experts as experts, triton_routing as routing  # noqa: E402
+from hybrid_kernels.moe import reference
+from hybrid_kernels.moe import triton_common as common, triton_experts as experts, triton_routing as routing  # noqa: E402
 
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12
 BATCHED_MM_MAX_BYTES = 12e9  # batched_mm gathers one weight copy per (token, slot): skip beyond this

@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.linear import cold_weights, per_call_us, sweep_configs  # noqa: E402
-from kernels.linear.triton_gemv import GEMV, GEMV_NORM, linear_triton  # noqa: E402
-from kernels.linear.triton_norm import add_rms_norm_triton  # noqa: E402
+from hybrid_kernels.linear.triton_gemv import GEMV, GEMV_NORM, linear_triton  # noqa: E402
+from hybrid_kernels.linear.triton_norm import add_rms_norm_triton  # noqa: E402
 
 
 def main() -> None:

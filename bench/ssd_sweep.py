@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.ssm import triton_config, triton_ssd  # noqa: E402
-from kernels.ssm import reference  # noqa: E402
+from hybrid_kernels.ssm import triton_config, triton_ssd  # noqa: E402
+from hybrid_kernels.ssm import reference  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""SSM kernels (kernels/ssm) against Hugging Face's torch paths, on one GPU, bf16.
+"""SSM kernels (hybrid_kernels/ssm) against Hugging Face's torch paths, on one GPU, bf16.
 
   python bench/ssm.py --out bench/results/ssm_h200.json   # H200: full run, a few minutes
   python bench/ssm.py --smoke                             # tiny shapes; CPU (Triton interpreter) or GPU
@@ -49,11 +49,11 @@ def compile_check(only: str = "") -> list[dict]:
 
     from types import SimpleNamespace
 
-    from kernels.ssm import triton_config
-    from kernels.ssm import triton_conv as conv
-    from kernels.ssm import triton_norm as norm
-    from kernels.ssm import triton_scan as scan
-    from kernels.ssm import triton_ssd as ssd
+    from hybrid_kernels.ssm import triton_config
+    from hybrid_kernels.ssm import triton_conv as conv
+    from hybrid_kernels.ssm import triton_norm as norm
+    from hybrid_kernels.ssm import triton_scan as scan
+    from hybrid_kernels.ssm import triton_ssd as ssd
     kernels = SimpleNamespace(CONFIG=triton_config.CONFIG, **{n: getattr(m, n) for m in (conv, scan, ssd, norm)
                                                              for n in dir(m) if n.endswith("_triton")})
 
@@ -321,7 +321,7 @@ def bench_ssd(bx: Bench) -> None:
     import torch
     from transformers.models.mamba2 import modeling_mamba2 as hf2
 
-    import kernels.ssm  # noqa: F401  (registers torch.ops.hybrid)
+    import hybrid_kernels.ssm  # noqa: F401  (registers torch.ops.hybrid)
 
     dev, dt_ = bx.device, bx.dtype
     if bx.smoke:
@@ -392,7 +392,7 @@ def bench_ssd(bx: Bench) -> None:
                 bx.run({**base, "impl": "hf_eager"}, run_hf)
             bx.run({**base, "impl": "hybrid"}, run_ours)
             if H > 80 and not bx.smoke:  # the other C.B^T variant on the target shape, for tuning
-                from kernels.ssm.triton_config import CONFIG
+                from hybrid_kernels.ssm.triton_config import CONFIG
 
                 CONFIG["ssd"]["CB"] = not CONFIG["ssd"]["CB"]
                 bx.run({**base, "impl": f"hybrid[CB={CONFIG['ssd']['CB']}]"}, run_ours)
@@ -406,7 +406,7 @@ def bench_mamba1(bx: Bench) -> None:
     import torch
     from transformers.models.mamba import modeling_mamba as hf1
 
-    import kernels.ssm  # noqa: F401
+    import hybrid_kernels.ssm  # noqa: F401
 
     dev, dt_ = bx.device, bx.dtype
     if bx.smoke:
@@ -486,7 +486,7 @@ def bench_decode(bx: Bench) -> None:
     from transformers.models.mamba import modeling_mamba as hf1
     from transformers.models.mamba2 import modeling_mamba2 as hf2
 
-    import kernels.ssm  # noqa: F401
+    import hybrid_kernels.ssm  # noqa: F401
 
     dev, dt_ = bx.device, bx.dtype
     sdt = torch.float32  # HF keeps the recurrent state in fp32 (the prefill's final state)
@@ -611,7 +611,7 @@ def bench_conv_norm(bx: Bench) -> None:
     import torch
     from transformers.models.mamba2 import modeling_mamba2 as hf2
 
-    import kernels.ssm  # noqa: F401
+    import hybrid_kernels.ssm  # noqa: F401
 
     dev, dt_ = bx.device, bx.dtype
     C, K, proj = (96, 4, 200) if bx.smoke else (5376, 4, 10576)
@@ -684,8 +684,8 @@ def bench_update_sweep(bx: Bench) -> None:
     Mamba2-2.7B shape, fp32 state; inputs rotated past L2 in one CUDA graph, as in the decode section."""
     import torch
 
-    import kernels.ssm  # noqa: F401
-    from kernels.ssm.triton_config import CONFIG
+    import hybrid_kernels.ssm  # noqa: F401
+    from hybrid_kernels.ssm.triton_config import CONFIG
 
     dev, dt_ = bx.device, bx.dtype
     H, P, N, G = (4, 16, 16, 1) if bx.smoke else (80, 64, 128, 1)
@@ -728,12 +728,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="compile time allowed per compiled-baseline family is half of this; none after 2x")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--config", default="", help='JSON merged into kernels/ssm/triton_config.CONFIG, e.g. \'{"ssd": {"CB": false}}\'')
+    ap.add_argument("--config", default="", help='JSON merged into hybrid_kernels/ssm/triton_config.CONFIG, e.g. \'{"ssd": {"CB": false}}\'')
     ap.add_argument("--only", default="", help="--compile-check: only cases whose name contains this")
     args = ap.parse_args()
 
     def apply_config():
-        from kernels.ssm.triton_config import CONFIG
+        from hybrid_kernels.ssm.triton_config import CONFIG
 
         for sec, vals in (json.loads(args.config) if args.config else {}).items():
             CONFIG[sec].update(vals)
@@ -758,7 +758,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
         os.environ["HYBRID_TRITON_ON_CPU"] = "1"
     apply_config()
-    from kernels.ssm.triton_config import CONFIG
+    from hybrid_kernels.ssm.triton_config import CONFIG
 
     log(f"device={device} torch={torch.__version__} "
         f"gpu={torch.cuda.get_device_name() if device == 'cuda' else '-'} smoke={args.smoke}")

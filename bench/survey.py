@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = ("kernels", "graphs", "passes", "compiler", "runtime")
+LIBRARY = ("hybrid_kernels", "graphs", "passes", "compiler", "runtime")
 TIMEOUT_S = 480
 LOGITS_TOL = 1e-4
 NEW_TOKENS = 6
@@ -341,7 +341,7 @@ def explain_stage(model, ids) -> dict:
 def compile_stage(model, ids, ref: dict) -> dict:
     """model.forward compiled with the hybrid backend vs eager: logits error, greedy tokens dyn / static."""
     import torch
-    from kernels.numerics import rel_err
+    from hybrid_kernels.numerics import rel_err
     out = {}
     for cache in ("dyn", "static"):
         if cache == "static" and isinstance(ref["static"], str):

@@ -12,8 +12,8 @@ import os
 import torch
 from torch import fx
 
-import kernels  # noqa: F401  (registers the hybrid:: ops the passes emit)
-from kernels.library import pdl
+import hybrid_kernels  # noqa: F401  (registers the hybrid:: ops the passes emit)
+from hybrid_kernels.library import pdl
 from passes import PassContext, prepare_graph, run_pipeline
 from passes.base import CONTROL_FLOW, copy_graph
 
@@ -120,7 +120,7 @@ def _gpu_defaults(example_inputs: list) -> dict:
     """Inductor settings for a graph on CUDA tensors, each overridable through ``inductor_config``. A decode step at batch 1 is
     dozens of short kernels, so launches and the gaps between them count:
     - ``triton.enable_pdl``: Inductor's kernels launch with programmatic dependent launch like ours
-      (``kernels.library.pdl``), unless TORCHINDUCTOR_ENABLE_PDL says otherwise;
+      (``hybrid_kernels.library.pdl``), unless TORCHINDUCTOR_ENABLE_PDL says otherwise;
     - ``combo_kernels``: independent small kernels (MLA's RoPE and norm glue: four kernels per layer -> three) share
       a launch."""
     if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):

@@ -19,7 +19,7 @@ class Options:
     inductor_config: dict = field(default_factory=dict)
     #: emit the run-time twins of the ops whose launch configs depend on the token count (MoE blocks, MLA
     #: attention): opaque calls that pick their configs per call, so a graph with a dynamic batch compiles
-    #: once instead of once per token bucket (see kernels/library.py: define_twin; the engine sets it)
+    #: once instead of once per token bucket (see hybrid_kernels/library.py: define_twin; the engine sets it)
     run_time_configs: bool = False
 
     @classmethod

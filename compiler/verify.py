@@ -8,7 +8,7 @@ from torch.fx.node import map_arg
 
 from graphs.regions import Region, Rewrite
 
-from kernels.numerics import close
+from hybrid_kernels.numerics import close
 
 
 def _clone(v):

@@ -249,8 +249,8 @@ class RegionPass(Pass):
                 return SKIPPED, f"verify: rewritten region disagrees with eager ({msg}); left to Inductor"
         if getattr(ctx.options, "run_time_configs", False):
             # the opaque twin before apply_rewrite runs the op on the graph's symbolic shapes: the traced op's
-            # body would turn its launch-config choices into guards (kernels/library.py: define_twin)
-            from kernels.library import twin
+            # body would turn its launch-config choices into guards (hybrid_kernels/library.py: define_twin)
+            from hybrid_kernels.library import twin
             rw.op = twin(rw.op)
         try:
             apply_rewrite(ctx.gm, rw.nodes or region.nodes, rw)

@@ -4,7 +4,7 @@ HF's gated MLPs (Llama, DeepSeek's dense MLP and shared experts) compute ``down_
 up_proj(x))``. After passes/norm.py the norm before them and both projections are one launch (``hybrid::norm_linear``
 with two weights), and Inductor runs ``silu(gate) * up`` as a kernel of its own: at one row a fixed cost of 2-3 us for
 a few KB of data. With ``glu=True`` each gemv program computes the same rows of gate and up and stores the product
-(kernels/linear/triton_gemv.py, rounded as the eager ops round); more rows run the two linears and one silu * mul
+(hybrid_kernels/linear/triton_gemv.py, rounded as the eager ops round); more rows run the two linears and one silu * mul
 launch, as Inductor would.
 
 What fires: ``F.silu(gate) * up`` (either way round, not in place) where gate and up are the two outputs of one

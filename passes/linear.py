@@ -2,7 +2,7 @@
 
 At batch 1 every projection is a one-row GEMM whose time is its weight's bytes plus a fixed cost per kernel;
 cuBLAS's one-row kernels leave bandwidth on the table for 2-50 MB weights and some add a split-K reduction
-kernel. The ops choose per call (kernels/linear/ops.py): one row on CUDA in fp16/bf16 -> Triton, anything else
+kernel. The ops choose per call (hybrid_kernels/linear/ops.py): one row on CUDA in fp16/bf16 -> Triton, anything else
 (prefill, bigger batches, the CPU) -> ``F.linear`` unchanged. Where the graph fixes the row count at a value the
 kernels never take (a static prefill, a static decode at batch 8), the linear stays F.linear for Inductor: the op
 would only add host time per call where no CUDA graph hides it (its dispatch, and the norm and GLU passes' ops built
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphs.regions import is_inplace, node_value
-from kernels.linear.triton_gemv import pick_config
+from hybrid_kernels.linear.triton_gemv import pick_config
 
 from .base import Pass, PassContext, PassResult
 

@@ -2,10 +2,10 @@
 (``hybrid::mla_attention_paged`` -> ``hybrid::mla_decode_step``).
 
 Runs after passes/mla.py, on the paged attentions it emitted. In the engine's decode graphs the cache layer writes the
-step's rows with ``kernels.mla.ops.write_rows`` (one ``hybrid::mla_cache_write``, the form declared there and matched
+step's rows with ``hybrid_kernels.mla.ops.write_rows`` (one ``hybrid::mla_cache_write``, the form declared there and matched
 here) just before the attention reads the pages. Inductor runs kv_a_layernorm and that write as two kernels, each a
 fixed cost of 2-3 us for a few KB at one sequence; ``hybrid::mla_decode_step`` normalises the latent, writes the row
-and absorbs the query in one launch (kernels/mla/triton_step.py), then attends.
+and absorbs the query in one launch (hybrid_kernels/mla/triton_step.py), then attends.
 
 What fires: a paged attention whose buffer is read by nothing but it and one ``hybrid::mla_cache_write`` before it,
 whose written latent is, through views, the output of the attention module's ``kv_a_layernorm`` and nothing else
@@ -20,8 +20,8 @@ from torch import fx
 
 from graphs.modules import MLA, classify, node_module_keys
 from graphs.regions import Rewrite, RewriteError, apply_rewrite, concrete, node_value
-from kernels.library import twin
-from kernels.mla.ops import CACHE_WRITE
+from hybrid_kernels.library import twin
+from hybrid_kernels.mla.ops import CACHE_WRITE
 
 from .base import Pass, PassContext, PassResult, Skip
 from .probes import rmsnorm_eps, rmsnorm_problem
@@ -57,7 +57,7 @@ class FuseMLADecodeStep(Pass):
         q_nope, q_rope, buf, table, lens, weight, block_size, scale = call.args
         writes = [u for u in buf.users if u is not call]
         if len(writes) != 1 or writes[0].target not in CACHE_WRITE or writes[0].args[0] is not buf or writes[0].users:
-            raise Skip("the pages are not written by one hybrid::mla_cache_write (kernels.mla.ops.write_rows)")
+            raise Skip("the pages are not written by one hybrid::mla_cache_write (hybrid_kernels.mla.ops.write_rows)")
         write = writes[0]
         _, lat_rows, rope_rows, slots = write.args
         module = next((m for m in map(ctx.index.module, reversed(node_module_keys(call))) if classify(m) == MLA), None)

@@ -19,10 +19,10 @@ from torch import fx
 
 from graphs.modules import MOE, experts_weights, moe_parts, node_module_keys, router_linear, router_weight
 from graphs.regions import Region, Rewrite, node_value
-from kernels.moe import reference
-from kernels.moe.reference import METHODS
-from kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
-from kernels.numerics import close
+from hybrid_kernels.moe import reference
+from hybrid_kernels.moe.reference import METHODS
+from hybrid_kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
+from hybrid_kernels.numerics import close
 
 from .base import PassContext, RegionPass, Skip, eager_probe
 from .probes import identify_experts

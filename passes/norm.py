@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from graphs.regions import Region, find_regions, node_value
-from kernels.linear.triton_gemv import pick_config
+from hybrid_kernels.linear.triton_gemv import pick_config
 
 from .base import Pass, PassContext, PassResult
 from .linear import may_mutate

@@ -38,7 +38,7 @@ import warnings
 import torch
 
 from graphs.modules import experts_weights, is_delta_mixer, is_mamba1_mixer
-from kernels.numerics import close
+from hybrid_kernels.numerics import close
 
 from .base import PassContext, Skip
 from .probes import identify_experts
@@ -303,13 +303,13 @@ def _adopt_delta_rules(ctx: PassContext) -> str:
 # -- the stage ----------------------------------------------------------------------------------------------------
 def prepare_graph(ctx: PassContext) -> list[str]:
     """The preparation a graph calls for (run by the backend before the passes); returns its graph notes."""
-    import kernels  # noqa: F401  (registers the run-time twins the changes call)
+    import hybrid_kernels  # noqa: F401  (registers the run-time twins the changes call)
     return [note for note in (_adopt_eager_experts(ctx), _adopt_mamba1_scans(ctx), _adopt_delta_rules(ctx)) if note]
 
 
 def prepare_model(model: torch.nn.Module) -> int:
     """The preparation a model calls for before it is compiled (the engine); returns how many changes were made."""
-    import kernels  # noqa: F401
+    import hybrid_kernels  # noqa: F401
     classes = {type(m) for m in model.modules() if is_mamba1_mixer(m)}
     mixers = {type(m): m for m in model.modules() if is_delta_mixer(m)}
     return sum(install_scan(c) for c in classes) + sum(install_delta(m) for m in mixers.values())

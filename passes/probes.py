@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear.reference import add_rms_norm_ref
-from kernels.moe import reference as moe_reference
-from kernels.moe.reference import ACTIVATIONS, ELEMENTWISE, activation_fn
-from kernels.moe.spec import ExpertsSpec
-from kernels.numerics import close
+from hybrid_kernels.linear.reference import add_rms_norm_ref
+from hybrid_kernels.moe import reference as moe_reference
+from hybrid_kernels.moe.reference import ACTIVATIONS, ELEMENTWISE, activation_fn
+from hybrid_kernels.moe.spec import ExpertsSpec
+from hybrid_kernels.numerics import close
 
 from .base import Skip, eager_probe
 
 
 def identify_activation(act: torch.nn.Module | None) -> str:
-    """The name (kernels.moe.reference.ACTIVATIONS) of the activation ``act`` computes, or Skip."""
+    """The name (hybrid_kernels.moe.reference.ACTIVATIONS) of the activation ``act`` computes, or Skip."""
     if act is None:
         raise Skip("experts module has no act_fn")
     t = torch.linspace(-6, 6, 97)

@@ -21,8 +21,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from graphs.modules import SSM, mamba2_dims
 from graphs.regions import Region, Rewrite, is_inplace, node_value
-from kernels.numerics import close
-from kernels.ssm.spec import Mamba1Spec, Mamba1Weights, Mamba2Spec, Mamba2Weights
+from hybrid_kernels.numerics import close
+from hybrid_kernels.ssm.spec import Mamba1Spec, Mamba1Weights, Mamba2Spec, Mamba2Weights
 
 from .base import PassContext, RegionPass, Skip, eager_probe
 

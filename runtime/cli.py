@@ -108,7 +108,7 @@ def cmd_demo(args) -> int:
     import torch
 
     from compiler.explain import explain
-    from kernels.numerics import rel_err
+    from hybrid_kernels.numerics import rel_err
     model = _load(args, "float32", "cpu")
     _check_length(model, args.tokens, args.new_tokens, "--tokens + --new-tokens")
     ids = _prompt(model, 1, args.tokens, "cpu")

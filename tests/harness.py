@@ -13,7 +13,7 @@ import torch
 
 from compiler import collect
 from runtime import zoo
-from kernels.numerics import TOLERANCE, rel_err
+from hybrid_kernels.numerics import TOLERANCE, rel_err
 
 
 @dataclass

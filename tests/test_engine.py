@@ -335,7 +335,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("vocab", [102400, 50280, 50257, 32000, 8191])
 def test_greedy_ids_equal_argmax_first_maximum(vocab, device):
-    from kernels.sampling.ops import greedy_ids
+    from hybrid_kernels.sampling.ops import greedy_ids
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=g).to(device, torch.bfloat16)  # bf16: many exact ties
     logits[1] = 0.0  # all tied: index 0
@@ -505,9 +505,9 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
 @pytest.mark.parametrize("heads", [128, 16])
 def test_compiled_engine_mla_runs_the_gluon_kernel(heads, monkeypatch):
     """A bf16 DeepSeek-V3 layout at 128 (V3) and 16 (V2-Lite) heads with V3's latent widths (L 512, R 64): the
-    engine's recorded decode steps take hybrid::mla_decode_wg (kernels/mla/gluon_wide.py, gluon_narrow.py) through
+    engine's recorded decode steps take hybrid::mla_decode_wg (hybrid_kernels/mla/gluon_wide.py, gluon_narrow.py) through
     hybrid::mla_decode_step; greedy tokens are HF generate's."""
-    from kernels.mla import gluon
+    from hybrid_kernels.mla import gluon
     if not gluon.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     launches = []

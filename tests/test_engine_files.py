@@ -216,7 +216,7 @@ def test_infinite_bounds_become_finite_in_packages():
     goes into the package as float32's largest value, which clamps no finite value either."""
     import math
 
-    from kernels.moe import ops  # noqa: F401
+    from hybrid_kernels.moe import ops  # noqa: F401
     from runtime.aot.package import FLOAT_MAX, finite_bounds
 
     def f(x, w13, w2, weights, ids):

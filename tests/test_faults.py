@@ -13,7 +13,7 @@ import torch
 import passes
 from compiler import collect
 from harness import prompt
-from kernels.numerics import rel_err
+from hybrid_kernels.numerics import rel_err
 from passes.moe import FuseMoE
 from passes.norm import FuseNorm
 from runtime import zoo

@@ -9,10 +9,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: floor of each top-level folder; a module may import its own folder and the floors below
-FLOORS = {"kernels": 0, "graphs": 0, "passes": 1, "compiler": 2, "runtime": 3, "bench": 4}
+FLOORS = {"hybrid_kernels": 0, "graphs": 0, "passes": 1, "compiler": 2, "runtime": 3, "bench": 4}
 #: within runtime: the CLI drives the engine, never the other way round
 RUNTIME_TOP = "runtime.cli"
-LIBRARY = ("kernels", "graphs", "passes", "compiler", "runtime")
+LIBRARY = ("hybrid_kernels", "graphs", "passes", "compiler", "runtime")
 
 
 def _modules() -> dict[str, Path]:
@@ -94,8 +94,8 @@ def test_no_import_circles():
 def test_the_check_sees_real_imports():
     """Control: the walk finds imports that are there, relative and function-local ones included."""
     graph = _graph()
-    assert "kernels.library" in graph["kernels.mla.ops"]            # absolute
-    assert "kernels.mla.triton_attention" in graph["kernels.mla.ops"]  # relative (from . import ...)
+    assert "hybrid_kernels.library" in graph["hybrid_kernels.mla.ops"]            # absolute
+    assert "hybrid_kernels.mla.triton_attention" in graph["hybrid_kernels.mla.ops"]  # relative (from . import ...)
     assert "passes.prepare" in graph["runtime.engine.model_runner"]  # inside a function
     assert "runtime.engine" in graph["runtime.cli"]
 
@@ -107,3 +107,13 @@ def test_library_code_cites_no_dates_or_bench_results():
             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, "library code that cites a date or a bench result (history belongs in git, numbers in " \
                      "bench/):\n" + "\n".join(hits)
+
+
+def test_top_level_packages_shadow_no_installed_distribution():
+    """Each of our import names belongs to hybrid alone: a name another installed distribution also provides (HF's
+    ``kernels``, which transformers requires) would shadow it, and transformers' own imports of it would fail."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    taken = {top: sorted(set(owners.get(top, [])) - {"hybrid"}) for top in LIBRARY}
+    assert not {top: d for top, d in taken.items() if d}, taken

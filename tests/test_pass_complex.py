@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from runtime import zoo
-from kernels.numerics import rel_err
+from hybrid_kernels.numerics import rel_err
 from harness import compiled_with_spy, prompt
 
 

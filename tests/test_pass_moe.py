@@ -6,7 +6,7 @@ import transformers
 
 from compiler import explain
 from runtime import zoo
-from kernels.numerics import rel_err
+from hybrid_kernels.numerics import rel_err
 from harness import prompt
 
 

@@ -7,7 +7,7 @@ import transformers
 from compiler import explain
 from runtime import zoo
 from runtime.hf import cache_kwarg, output_cache
-from kernels.numerics import rel_err
+from hybrid_kernels.numerics import rel_err
 from harness import cache_tensors, compile_forward, prompt
 
 FAMILIES = ["mamba", "mamba2", "jamba", "bamba"]

@@ -23,7 +23,7 @@ import sys
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels.mla.ops import mla_decode
+from hybrid_kernels.mla.ops import mla_decode
 
 NAME = "hybrid_paged"
 #: id(config) -> the attention implementation the model had before the engine switched it

@@ -6,7 +6,7 @@
   keys/values gathered by ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are
   masked out). On a paged decode step it returns instead the buffer itself (MHA/GQA, see ``attention.py``)
   or, for MLA layers, the gather as ``hybrid::paged_gather`` with the step's block table and lengths
-  (``kernels/mla/ops.py``).
+  (``hybrid_kernels/mla/ops.py``).
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a first prefill chunk binds nothing and HF
   creates fresh states, which the runner then copies into the new sequence's row; a later chunk binds that
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
-from kernels.mla.ops import write_rows
+from hybrid_kernels.mla.ops import write_rows
 
 from .features import Unsupported, cache_layer_kind
 
@@ -194,7 +194,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.write_slots = torch.zeros(1, dtype=torch.long, device=device)
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.block_table = self.seq_lens = None  # paged MLA decode steps: [B, W] int32 blocks, [B] int32
-        self.paged = False  # decode step read in place (attention.py; MLA: kernels/mla/ops.py)
+        self.paged = False  # decode step read in place (attention.py; MLA: hybrid_kernels/mla/ops.py)
         self.fresh = True  # a prefill of prompts with nothing cached yet
         self.contiguous = False  # gathered keys / values returned contiguous (a model's own attention views them)
         self.is_initialized = True

@@ -170,7 +170,7 @@ class Engine:
             raise Unsupported(f"paged decode for attention that does not call HF's attention functions ({own[0]}); "
                               "leave paged_decode unset")
         if paged_decode is None:  # decode attention over the pages in place: MLA layers on any device once the
-            # MLA pass rewrites them (kernels/mla/ops.py), MHA/GQA layers on the GPU (attention.py)
+            # MLA pass rewrites them (hybrid_kernels/mla/ops.py), MHA/GQA layers on the GPU (attention.py)
             paged_decode = has_attn and not own and (mla or self.device.type == "cuda")
         self.cache = PagedCache(specs, num_blocks * block_size if has_attn else 1, state_rows, self.dtype,
                                 self.device, latent=mla and paged_decode, block_size=block_size,

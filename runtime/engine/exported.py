@@ -269,7 +269,7 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
     from safetensors.torch import load_file
     from transformers import AutoConfig, GenerationConfig
 
-    import kernels  # noqa: F401  (the hybrid:: ops the programs call)
+    import hybrid_kernels  # noqa: F401  (the hybrid:: ops the programs call)
     from runtime import zoo
 
     from . import attention  # noqa: F401

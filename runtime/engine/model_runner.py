@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.sampling.ops import greedy_ids
+from hybrid_kernels.sampling.ops import greedy_ids
 from runtime.hf import cache_kwarg
 
 from . import attention
@@ -391,7 +391,7 @@ class ModelRunner:
         mha = paged and not self.paged_latent
         gather_idx, writes, keep, lengths, table32, mha_maps = self._maps(
             table, pads, width, q_len, self.blocks.block_size, self.kv_heads if mha else 0)
-        if paged and self.paged_latent:  # MLA: the pages themselves (kernels/mla/ops.py)
+        if paged and self.paged_latent:  # MLA: the pages themselves (hybrid_kernels/mla/ops.py)
             self.cache.bind(writes, gather_idx, rows, paged, table32, lengths)
         else:
             self.cache.bind(writes, gather_idx, rows, paged, state_row=state_row, fresh=fresh)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.library import pdl_opts, pdl_start
+from hybrid_kernels.library import pdl_opts, pdl_start
 
 from . import attention
 

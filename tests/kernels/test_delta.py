@@ -8,9 +8,9 @@ import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
 
-from kernels.delta import reference as ref
-from kernels.delta.triton_chunk import delta_rule_chunk_triton
-from kernels.delta.triton_step import delta_rule_step_triton
+from hybrid_kernels.delta import reference as ref
+from hybrid_kernels.delta.triton_chunk import delta_rule_chunk_triton
+from hybrid_kernels.delta.triton_step import delta_rule_step_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -139,7 +139,7 @@ def test_chunk_length_halves_where_shared_memory_is_short(monkeypatch):
     """A launch that overflows shared memory at one chunk length is retried at half of it (same result)."""
     import triton
 
-    from kernels.delta import triton_chunk
+    from hybrid_kernels.delta import triton_chunk
     seen = []
     real = triton_chunk._chunked
 

@@ -1,4 +1,4 @@
-"""kernels/library.py: when a kernel launch may use programmatic dependent launch; every kernel can be\ninlined by Inductor."""
+"""hybrid_kernels/library.py: when a kernel launch may use programmatic dependent launch; every kernel can be\ninlined by Inductor."""
 import builtins
 import os
 import subprocess
@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kernels import library
+from hybrid_kernels import library
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_pdl_only_for_launches_on_real_cuda_tensors(monkeypatch):
 
 
 def unresolved_kernel_names(tmp: str) -> dict:
-    """For every @triton.jit function in kernels/: emit it the way Inductor does, import that file, and list
+    """For every @triton.jit function in hybrid_kernels/: emit it the way Inductor does, import that file, and list
     the globals its functions load that the file does not define. Needs real JITFunctions (no interpreter)."""
     import dis
     import importlib
@@ -60,11 +60,11 @@ def unresolved_kernel_names(tmp: str) -> dict:
     from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
     from triton import JITFunction
 
-    import kernels as package
+    import hybrid_kernels as package
     kernels = {}
-    for info in pkgutil.walk_packages(package.__path__, "kernels."):
+    for info in pkgutil.walk_packages(package.__path__, "hybrid_kernels."):
         for name, obj in vars(importlib.import_module(info.name)).items():
-            # Gluon kernels are launched by opaque custom ops (kernels/mla/ops.py): Inductor never emits them
+            # Gluon kernels are launched by opaque custom ops (hybrid_kernels/mla/ops.py): Inductor never emits them
             gluon = getattr(obj, "is_gluon", lambda: False)()
             if isinstance(obj, JITFunction) and obj.fn.__module__ == info.name and not gluon:
                 kernels[f"{info.name}.{name}"] = obj

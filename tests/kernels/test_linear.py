@@ -1,4 +1,4 @@
-"""The one-row linear kernels (kernels/linear) vs F.linear: single weights, groups of 2-3 weights sharing the
+"""The one-row linear kernels (hybrid_kernels/linear) vs F.linear: single weights, groups of 2-3 weights sharing the
 input, K not a multiple of the block, odd N, bias; the ops' dispatch (Triton only where pick_config takes the
 shape, F.linear otherwise). CPU: the Triton interpreter."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels  # noqa: F401  (registers the hybrid:: ops)
-from kernels.linear import triton_gemv as gemv
-from kernels.linear.triton_gemv import linear_triton, pick_config
+import hybrid_kernels  # noqa: F401  (registers the hybrid:: ops)
+from hybrid_kernels.linear import triton_gemv as gemv
+from hybrid_kernels.linear.triton_gemv import linear_triton, pick_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,7 +84,7 @@ def test_ops_dispatch(monkeypatch):
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     calls = []
     real = gemv._gemv_kernel
-    monkeypatch.setattr("kernels.linear.triton_gemv._gemv_kernel", _Spy(real, calls))
+    monkeypatch.setattr("hybrid_kernels.linear.triton_gemv._gemv_kernel", _Spy(real, calls))
     y = torch.ops.hybrid.linear(x3, ws[0], None)
     assert y.shape == (1, 1, 24) and len(calls) == 1
     _close(y.view(1, 24), x, ws[0], tol=2e-2)
@@ -111,7 +111,7 @@ def test_broadcast_bias_takes_f_linear(monkeypatch):
 
 
 def _gated_want(x, z, g, eps, w, bias=None):
-    from kernels.ssm.reference import gated_rms_norm_ref
+    from hybrid_kernels.ssm.reference import gated_rms_norm_ref
     h = gated_rms_norm_ref(x.float(), z.float(), g.float(), eps, x.shape[-1])
     return F.linear(h, w.float(), None if bias is None else bias.float())
 
@@ -135,7 +135,7 @@ def test_gated_prologue_matches_norm_then_linear(N, K, block_k):
 def test_gated_norm_linear_op(monkeypatch):
     """The op: fused launch where the kernels take it (one launch, bf16 within rounding of norm-then-linear, fp32
     activations into a bf16 weight); two groups or two rows fall back to the norm op then hybrid::linear."""
-    from kernels.ssm import ops
+    from hybrid_kernels.ssm import ops
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 1, 96, generator=g).to(DEV)
     z = torch.randn(1, 1, 96, generator=g).to(DEV, torch.bfloat16)
@@ -153,7 +153,7 @@ def test_gated_norm_linear_op(monkeypatch):
     assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16 and gated == [True]
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     for xs, zs, group in ((x, z, 48), (x.expand(2, 1, 96), z.expand(2, 1, 96), 96)):
-        from kernels.ssm.reference import gated_rms_norm_ref
+        from hybrid_kernels.ssm.reference import gated_rms_norm_ref
         y = op(xs, zs, nw, 1e-6, group, w, None)
         ref = F.linear(gated_rms_norm_ref(xs, zs, nw, 1e-6, group).to(torch.bfloat16), w)
         assert True not in gated[1:] and y.shape == ref.shape
@@ -185,7 +185,7 @@ def test_dot_conv_epilogue_matches_linear_then_conv(M, N, K, C, c0, W, KW, bias,
     """The projection + conv-update kernel vs F.linear then the conv update's reference: projection, conv output and
     the state (shifted in place through a strided view; the pool around it untouched). Conv channels straddle
     program tiles."""
-    from kernels.ssm.reference import causal_conv1d_update_ref
+    from hybrid_kernels.ssm.reference import causal_conv1d_update_ref
     x, w, b, pool, state, cw, cb = _conv_case(M, N, K, C, W, KW, M * N + C, bias, conv_bias, layout)
     want_pool = pool.clone()
     want_state = want_pool[1:M + 1, :, 1:W + 1] if layout == "rows" else want_pool.transpose(1, 2)
@@ -201,8 +201,8 @@ def test_dot_conv_epilogue_matches_linear_then_conv(M, N, K, C, c0, W, KW, bias,
 def test_linear_conv_op(monkeypatch):
     """The op (bf16): fused where the dot kernel takes the projection, the two ops otherwise; both agree with
     F.linear + the conv reference in fp32, and both update the state in place."""
-    from kernels.ssm import ops
-    from kernels.ssm.reference import causal_conv1d_update_ref
+    from hybrid_kernels.ssm import ops
+    from hybrid_kernels.ssm.reference import causal_conv1d_update_ref
     x, w, b, pool, state, cw, cb = (t.to(torch.bfloat16) for t in _conv_case(1, 70, 130, 40, 4, 4, 5, True))
     state = pool[1:2, :, 1:5]
     if DEV == "cpu":
@@ -224,7 +224,7 @@ def test_linear_conv_op(monkeypatch):
 
 def _norm_want(x, r, nw, eps, round_input, ws, bias=None, normed=False):
     """RMSNorm (of x + r) by its torch reference, then F.linear in fp32; and the sum (and the norm's output)."""
-    from kernels.linear.reference import add_rms_norm_ref
+    from hybrid_kernels.linear.reference import add_rms_norm_ref
     h, s = add_rms_norm_ref(x, r, nw, eps, round_input, ws[0].dtype)
     ys = [F.linear(h.float(), w.float(), None if bias is None else bias.float()) for w in ws]
     return (ys, s, h) if normed else (ys, s)
@@ -263,7 +263,7 @@ def test_norm_prologue_matches_norm_then_linear(Ns, K, block_k, res, rnd):
 def test_norm_linear_op(monkeypatch):
     """The op: one launch at one row (the prologue), [ys..., sum]; at three rows the row-wise norm kernel, then
     hybrid::linear / linear_group; both within bf16 rounding of the reference; no residual: no sum."""
-    from kernels.linear import ops
+    from hybrid_kernels.linear import ops
     if DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     fused = []
@@ -301,7 +301,7 @@ def test_norm_linear_glu(rows, N, K, res, normed, monkeypatch):
     row (one output instead of two, then the sum and the norm's output as before), the norm kernel + linears + one
     silu * mul launch at three rows; odd N, K not a multiple of the block; against the eager ops in fp32 on the
     reference norm (bf16 weights)."""
-    from kernels.linear import ops
+    from hybrid_kernels.linear import ops
     if DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     glu_launches = []
@@ -329,8 +329,8 @@ def test_norm_linear_glu(rows, N, K, res, normed, monkeypatch):
 
 def test_add_rms_norm_kernel_matches_reference():
     """The row-wise fallback kernel: rows of odd width, fp32 + bf16 and bf16 + bf16 sums, rounding on and off."""
-    from kernels.linear.reference import add_rms_norm_ref
-    from kernels.linear.triton_norm import add_rms_norm_triton
+    from hybrid_kernels.linear.reference import add_rms_norm_ref
+    from hybrid_kernels.linear.triton_norm import add_rms_norm_triton
     g = torch.Generator().manual_seed(9)
     for xdt, rdt, rnd in ((torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.bfloat16, False),
                           (torch.float32, None, False)):

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.library import GLUON
-from kernels.mla import gluon, ops
-from kernels.mla import reference as ref
-from kernels.mla import triton_attention as kernels
-from kernels.mla import triton_cache, triton_step
-from kernels.mla.ops import mla_attention_dense, mla_cache_write, mla_decode, mla_prefill
+from hybrid_kernels.library import GLUON
+from hybrid_kernels.mla import gluon, ops
+from hybrid_kernels.mla import reference as ref
+from hybrid_kernels.mla import triton_attention as kernels
+from hybrid_kernels.mla import triton_cache, triton_step
+from hybrid_kernels.mla.ops import mla_attention_dense, mla_cache_write, mla_decode, mla_prefill
 
 SCALE = 0.37
 REPO = Path(__file__).resolve().parents[2]
@@ -388,8 +388,8 @@ def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
     lengths 1 / 6 / 17 across block boundaries, blocks shuffled, one padding row of the reserved block 0.
     "triton": W_UV applied by the merge kernel (4 rows, V = 12 over 16-column tiles); "triton-uv-after-merge": the
     batched matmul after the merge, as above uv_max_batch rows."""
-    from kernels.mla.ops import mla_attention
-    from kernels.mla.ops import mla_attention_paged
+    from hybrid_kernels.mla.ops import mla_attention
+    from hybrid_kernels.mla.ops import mla_attention_paged
     if impl != "ref":
         _triton_ops(monkeypatch)
         uv_max = 4 if impl == "triton" else 0
@@ -424,7 +424,7 @@ def test_paged_attention_equals_dropin_over_the_gather(impl, monkeypatch):
 
 @pytest.mark.parametrize("B", [1, 3, 70])
 def test_decode_step_prep_kernel_matches_reference(B, monkeypatch):
-    """The decode step's first launch (kernels/mla/triton_step.py): kv_a_layernorm + the row write into the pages + the
+    """The decode step's first launch (hybrid_kernels/mla/triton_step.py): kv_a_layernorm + the row write into the pages + the
     absorbed query, Triton against the torch reference: q_lat and every cache row (written rows and untouched ones),
     3 heads, L = 40 and P = 24 (not powers of two), R = 6, a strided q (a view of the projection's output), 70
     sequences over two 64-row tiles."""
@@ -451,8 +451,8 @@ def test_decode_step_equals_write_then_paged_attention(impl, monkeypatch):
     """hybrid::mla_decode_step = the steps it replaces in the engine's decode graph: HF's RMSNorm of the new latent,
     the row [latent | k_rope] written with index_copy_, then hybrid::mla_attention_paged over the pages (block size 4,
     lengths 1 / 6 / 17, each sequence's new token the last one it attends)."""
-    from kernels.mla.ops import mla_attention_paged, mla_decode_step
-    from kernels.linear.reference import add_rms_norm_ref
+    from hybrid_kernels.mla.ops import mla_attention_paged, mla_decode_step
+    from hybrid_kernels.linear.reference import add_rms_norm_ref
     if impl == "triton":
         _triton_ops(monkeypatch)
     g = torch.Generator().manual_seed(12)

@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 
-from kernels.moe import ops, reference
-from kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
-from kernels.moe import triton_common as common, triton_experts as experts, triton_routing as routing
+from hybrid_kernels.moe import ops, reference
+from hybrid_kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
+from hybrid_kernels.moe import triton_common as common, triton_experts as experts, triton_routing as routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[2]
@@ -395,7 +395,7 @@ def test_moe_block_adds_the_shared_expert_in_the_combine(shared, monkeypatch):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("needs the Triton interpreter")
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
-    from kernels.moe.ops import moe_block
+    from hybrid_kernels.moe.ops import moe_block
     for lead in ((2, 3), (1,)):
         x, rw, b, w13, w2 = _op_inputs(T=math.prod(lead))
         x = x.view(*lead, -1)
@@ -433,7 +433,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from kernels.moe import triton_experts as experts
+from hybrid_kernels.moe import triton_experts as experts
 E, H, I = 6, 48, 40
 kw = dict(method="softmax_topk", top_k=2, renormalize=True, scale=1.0, n_group=1, topk_group=1, gated=True,
           interleaved=False, activation="silu", router_fp32=False)

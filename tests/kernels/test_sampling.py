@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling.triton_argmax import argmax_triton
-from kernels.sampling import triton_argmax as kernels
+from hybrid_kernels.sampling.triton_argmax import argmax_triton
+from hybrid_kernels.sampling import triton_argmax as kernels
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

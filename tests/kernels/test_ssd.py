@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers.models.mamba2 import modeling_mamba2 as hf2
 
-from kernels.ssm import reference as ref
-from kernels.ssm.triton_config import CONFIG
-from kernels.ssm.triton_ssd import ssd_scan_triton, ssd_state_update_triton
+from hybrid_kernels.ssm import reference as ref
+from hybrid_kernels.ssm.triton_config import CONFIG
+from hybrid_kernels.ssm.triton_ssd import ssd_scan_triton, ssd_state_update_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INF = float("inf")

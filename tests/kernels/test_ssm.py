@@ -13,9 +13,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
-import kernels.ssm  # noqa: F401  (registers torch.ops.hybrid.*)
-from kernels.ssm import reference as ref
-from kernels.ssm.triton_norm import gated_rms_norm_triton
+import hybrid_kernels.ssm  # noqa: F401  (registers torch.ops.hybrid.*)
+from hybrid_kernels.ssm import reference as ref
+from hybrid_kernels.ssm.triton_norm import gated_rms_norm_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,10 +118,10 @@ def test_ops_under_fake_tensors(triton_path, monkeypatch):
     output shapes and dtypes match the real run. On the CPU the Triton path is forced with
     HYBRID_TRITON_ON_CPU and its launches are captured instead of run (the interpreter would launch
     even on fake tensors; on a GPU wrap_triton's fake path skips the launch itself)."""
-    from kernels.ssm import triton_conv as conv
-    from kernels.ssm import triton_norm as norm
-    from kernels.ssm import triton_scan as scan
-    from kernels.ssm import triton_ssd as ssd
+    from hybrid_kernels.ssm import triton_conv as conv
+    from hybrid_kernels.ssm import triton_norm as norm
+    from hybrid_kernels.ssm import triton_scan as scan
+    from hybrid_kernels.ssm import triton_ssd as ssd
 
     if triton_path and DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
@@ -178,9 +178,9 @@ def test_mamba2_decode_step_fused_projections(monkeypatch):
     """hybrid::mamba2_mixer_step at one row (bf16) with its projections fused, the in projection + conv update
     (dot kernel, forced: the tiny weight would take the gemv) and the gated norm + out projection (gemv prologue),
     vs the same step on the reference ops: output and both states, which the step writes in place."""
-    from kernels.linear import triton_gemv as lin_kernels
-    from kernels.ssm import ops as ssm_ops
-    from kernels.ssm.spec import Mamba2Spec, Mamba2Weights
+    from hybrid_kernels.linear import triton_gemv as lin_kernels
+    from hybrid_kernels.ssm import ops as ssm_ops
+    from hybrid_kernels.ssm.spec import Mamba2Spec, Mamba2Weights
     g = torch.Generator().manual_seed(5)
     Hd, H, P, G, N, K = 48, 4, 16, 1, 16, 4
     d_inner, C = H * P, H * P + 2 * G * N
@@ -228,7 +228,7 @@ def test_mamba2_chunk_continues_the_prefill(t1, t2, triton_path, monkeypatch):
     g = torch.Generator().manual_seed(t1 * 31 + t2)
     B, Hd, H, P, G, N, K = 2, 24, 3, 8, 1, 8, 4
     d_inner, C = H * P, H * P + 2 * G * N
-    from kernels.ssm.spec import Mamba2Spec, Mamba2Weights
+    from hybrid_kernels.ssm.spec import Mamba2Spec, Mamba2Weights
     w = Mamba2Weights(in_proj_w=rnd(d_inner + C + H, Hd, g=g) / Hd ** 0.5, in_proj_b=None, conv_w=rnd(C, 1, K, g=g),
                       conv_b=rnd(C, g=g), dt_bias=rnd(H, g=g), A_log=torch.rand(H, generator=g).to(DEV),
                       D=rnd(H, g=g), norm_w=1 + 0.1 * rnd(d_inner, g=g), out_proj_w=rnd(Hd, d_inner, g=g) / d_inner ** 0.5,

@@ -5,8 +5,8 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 from transformers.models.mamba2 import modeling_mamba2 as hf2
 
-from kernels.ssm import reference as ref
-from kernels.ssm.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
+from hybrid_kernels.ssm import reference as ref
+from hybrid_kernels.ssm.triton_conv import causal_conv1d_triton, causal_conv1d_update_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

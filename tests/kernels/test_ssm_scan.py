@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers.models.mamba import modeling_mamba as hf1
 
-from kernels.library import interpreting
-from kernels.ssm import reference as ref
-from kernels.ssm.triton_config import CONFIG
-from kernels.ssm.triton_scan import selective_scan_triton, selective_state_update_triton
+from hybrid_kernels.library import interpreting
+from hybrid_kernels.ssm import reference as ref
+from hybrid_kernels.ssm.triton_config import CONFIG
+from hybrid_kernels.ssm.triton_scan import selective_scan_triton, selective_state_update_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
