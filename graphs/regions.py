@@ -87,6 +87,32 @@ class Region:
 
 
 
+    def without(self, nodes) -> "Region":
+        """The same region less ``nodes`` (parts that stay in the graph when the rest is rewritten)."""
+        drop = set(nodes)
+        return Region(self.kind, self.key, self.path, self.cls_name, self.module,
+                      [n for n in self.nodes if n not in drop])
+
+    def counter_writes(self) -> list[fx.Node]:
+        """The region's in-place increments of a token counter outside it, with the views they write through:
+        an ``add_`` of a number (or an outside size) to a 0-d integer tensor, as HF's linear-attention cache layers
+        count tokens (``cumulative_length_linear``). Bookkeeping, not state: a rewrite keeps these nodes in the graph
+        (``without``) and replaces the rest."""
+        out: dict[fx.Node, None] = {}
+        for n in self.nodes:
+            if not (is_inplace(n) and n.target in ("add_", torch.Tensor.add_, torch.ops.aten.add_.Tensor)
+                    and n.args and isinstance(n.args[0], fx.Node)):
+                continue
+            chain = view_chain(n.args[0])
+            base, inner = chain[-1], [c for c in chain if c in self._node_set]
+            value = node_value(base)
+            reads = [a for c in [n, *inner] for a in c.all_input_nodes if a not in inner]
+            if (base not in self._node_set and isinstance(value, torch.Tensor) and value.dim() == 0
+                    and not value.is_floating_point() and all(a is base or a not in self._node_set for a in reads)):
+                out.update(dict.fromkeys([*inner, n]))
+        return list(out)
+
+
 _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select",
                  "narrow", "flatten", "unflatten", "t", "contiguous", "view_as", "float", "to"}
 
@@ -97,14 +123,21 @@ def view_base(node: fx.Node) -> fx.Node:
     ``.to``/``.float``/``.contiguous`` only alias when they are no-ops; callers use this to find the buffer an
     in-place write lands in, where HF only ever writes through true views.
     """
+    return view_chain(node)[-1]
+
+
+def view_chain(node: fx.Node) -> list[fx.Node]:
+    """``node``, the tensor it is a view of, and so on back to ``view_base(node)`` (last)."""
+    chain = [node]
     while True:
+        node = chain[-1]
         if node.op == "call_method" and node.target in _VIEW_METHODS and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
+            chain.append(node.args[0])
         elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
                 and isinstance(node_value(node.args[0]), torch.Tensor) and _basic_index(node.args[1]):
-            node = node.args[0]
+            chain.append(node.args[0])
         else:
-            return node
+            return chain
 
 
 def _basic_index(idx) -> bool:

@@ -45,6 +45,13 @@ class FuseSSM(RegionPass):
         return [("in_proj.weight", module.in_proj.weight), ("out_proj.weight", module.out_proj.weight)]
 
     def plan(self, ctx: PassContext, region: Region) -> Rewrite:
+        # the cache's token counter (bumped in place by HF's cache layer inside the mixer) stays in the graph
+        sub = region.without(region.counter_writes())
+        rw = self._plan(ctx, sub)
+        rw.nodes = rw.nodes or sub.nodes
+        return rw
+
+    def _plan(self, ctx: PassContext, region: Region) -> Rewrite:
         m = region.module
         if getattr(m, "activation", "silu") != "silu":
             raise Skip(f"conv activation {m.activation!r} is not silu")

@@ -55,7 +55,9 @@ def test_mamba_decode_region_writes_states_in_place():
     regions = [r for r in find_regions(gm, ModuleIndex(gm)) if r.kind == "ssm"]
     assert len(regions) == 2
     for r in regions:
-        written = r.mutated_inputs
+        counters = r.counter_writes()  # transformers >= 5.25 counts tokens in a 0-d tensor of the cache layer
+        assert len(counters) <= 1 and all(node_value(n).dim() == 0 for n in counters)
+        written = r.without(counters).mutated_inputs
         assert len(written) == 2 and all(n.op == "placeholder" for n in written)
         shapes = sorted(tuple(node_value(n).shape) for n in written)
         assert shapes == [(2, 64, 4), (2, 64, 8)]  # conv state [B, D, K], ssm state [B, D, N]
@@ -66,6 +68,7 @@ def test_mamba_prefill_region_creates_states():
     gm, _ = graphs[0]
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for r in [r for r in find_regions(gm, ModuleIndex(gm)) if r.kind == "ssm"]:
+        r = r.without(r.counter_writes())  # the cache's token counter stays in the graph
         escaping = [o for o in r.outputs if out_node in o.users]
         assert len(escaping) == 2  # the conv and ssm state tensors the cache keeps
 
