@@ -163,27 +163,44 @@ DELTA_PARAMS = ("query", "key", "value", "g", "beta")
 DELTA_REFUSED: dict[type, str] = {}
 
 
+def hub_function(obj):
+    """The Python function behind a module-level HF function: the function itself, or the one a hub-kernel wrapper
+    calls (with Hugging Face's ``kernels`` package installed, ``use_kernel_forward_from_hub`` makes each such
+    function an ``nn.Module`` instance whose ``forward`` calls it, so that ``kernelize`` can swap it); else None."""
+    import inspect
+    if inspect.isfunction(obj):
+        return obj
+    forward = getattr(type(obj), "forward", None) if isinstance(obj, torch.nn.Module) else None
+    if not inspect.isfunction(forward) or forward.__closure__ is None:
+        return None
+    inner = [c.cell_contents for name, c in zip(forward.__code__.co_freevars, forward.__closure__)
+             if name == "func" and inspect.isfunction(c.cell_contents)]
+    return inner[0] if inner else None
+
+
 def _delta_functions(mixer_cls: type) -> dict[str, object]:
-    """The module-level functions of ``mixer_cls``'s module with the delta-rule interface, not yet wrapped."""
+    """The module-level functions of ``mixer_cls``'s module with the delta-rule interface, not yet wrapped: name ->
+    the object found there (a function or its hub-kernel wrapper: ``hub_function``)."""
     import inspect
     mod = sys.modules.get(mixer_cls.__module__)
     found = {}
-    for name, fn in vars(mod).items() if mod is not None else ():
-        if not inspect.isfunction(fn) or hasattr(fn, "_hybrid_original"):
+    for name, obj in vars(mod).items() if mod is not None else ():
+        fn = hub_function(obj)
+        if fn is None or hasattr(obj, "_hybrid_original"):
             continue
         params = list(inspect.signature(fn).parameters)
         if tuple(params[:5]) == DELTA_PARAMS and {"initial_state", "output_final_state"} <= set(params):
-            found[name] = fn
+            found[name] = obj
     return found
 
 
 def _wrap_delta(original, kinds: frozenset):
     import inspect
-    names = list(inspect.signature(original).parameters)
-    defaults = {k: p.default for k, p in inspect.signature(original).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    signature = inspect.signature(hub_function(original))
+    names = list(signature.parameters)
+    defaults = {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
 
-    @functools.wraps(original)
+    @functools.wraps(hub_function(original))
     def hybrid_delta_rule(*args, **kwargs):
         if not (torch.compiler.is_compiling() or getattr(hybrid_delta_rule, "_force", False)):
             return original(*args, **kwargs)
@@ -226,7 +243,7 @@ def _probe_kinds(fn, device, dtype) -> tuple[frozenset, str]:
         if good:
             ok.add(kind)
         else:
-            why.append(f"{fn.__name__} with a decay per {kind}: {e_msg}")
+            why.append(f"{hub_function(fn).__name__} with a decay per {kind}: {e_msg}")
     return frozenset(ok), "; ".join(why)
 
 
