@@ -638,10 +638,11 @@ def bench_conv_norm(bx: Bench) -> None:
         bx.run({**base, "impl": "hybrid"}, run_ours)
 
         hs, gate = torch.randn(1, T, I, device=dev, generator=g).to(dt_), xin[..., -I:]
+        gated_norm = getattr(hf2, "Mamba2RMSNormGated", None) or hf2.MambaRMSNormGated  # renamed in 5.25
         try:  # transformers >= 5.2x takes the group size; older versions normalise the whole width
-            norm = hf2.MambaRMSNormGated(I, group_size=gs, eps=1e-5).to(dev, dt_)
+            norm = gated_norm(I, group_size=gs, eps=1e-5).to(dev, dt_)
         except TypeError:
-            norm = hf2.MambaRMSNormGated(I, eps=1e-5).to(dev, dt_)
+            norm = gated_norm(I, eps=1e-5).to(dev, dt_)
             gs = I
         nb = 3 * I * T * dt_.itemsize
         base = {"section": "gated_rms_norm", "shape": f"I{I} group{gs}", "T": T}

@@ -132,8 +132,9 @@ VARIANTS = {
     "afmoe": (dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    num_dense_layers=0, num_shared_experts=1),
               "sigmoid_group_topk, top-2, renormalised, silu, shared expert"),
-    # ungated experts with relu(x)^2, sigmoid routing without groups, beside Mamba2 and attention layers
-    "nemotron_h": (dict(layers_block_type=["moe", "full_attention"], mlp_hidden_act="relu2", n_routed_experts=8,
+    # ungated experts with relu(x)^2, sigmoid routing without groups, beside Mamba2 and attention layers;
+    # attention first, since HF's hybrid cache reads the stack's length from layer 0
+    "nemotron_h": (dict(layers_block_type=["full_attention", "moe"], mlp_hidden_act="relu2", n_routed_experts=8,
                         n_shared_experts=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
                         num_experts_per_tok=2, n_group=1, topk_group=1, intermediate_size=64),
                    "sigmoid_group_topk, top-2, renormalised, relu2, shared expert"),

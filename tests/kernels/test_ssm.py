@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
 
 import hybrid_kernels.ssm  # noqa: F401  (registers torch.ops.hybrid.*)
 from hybrid_kernels.ssm import reference as ref
 from hybrid_kernels.ssm.triton_norm import gated_rms_norm_triton
 
+#: HF's gated RMSNorm (renamed Mamba2RMSNormGated in transformers 5.25)
+MambaRMSNormGated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[2]
 INF = float("inf")
