@@ -206,20 +206,27 @@ class FuseMoE(RegionPass):
         routes = list(dict.fromkeys(dataclasses.replace(r, scale=r.scale * f) for r in routes
                                     for f in [1.0, *_scales(block)]))
         experts_spec = identify_experts(experts, "gate_up_proj" in experts_weights(experts))
-        shared_mlp, shared_gate = self._shared_children(block, router_name, experts_name)
+        hidden = live.router_w.shape[1]
+        shared_mlp, shared_gate, post_norm = self._shared_children(block, router_name, experts_name, hidden)
 
-        # Graph side: the shared expert (and its gate) stay in the graph; their outputs feed the op.
+        # Graph side: the shared expert (and its gate) stay in the graph, their outputs feed the op; a norm on
+        # the block's output stays too, reading the op's output in place of the sum it normalised.
         keep = self._kept_nodes(region, [c for c in (shared_mlp, shared_gate) if c is not None])
+        if post_norm is not None:
+            keep |= {n for n in region.nodes if str(id(post_norm)) in node_module_keys(n)}
         nodes = [n for n in region.nodes if n not in keep]
         sub = Region(region.kind, region.key, region.path, region.cls_name, block, nodes)
         outputs = [o for o in sub.outputs if isinstance(node_value(o), torch.Tensor)]  # sizes stay in the graph
+        if len(outputs) != 1 and post_norm is not None:
+            raise Skip(f"the block's norm child is not applied last, to routed + shared experts ({len(outputs)} "
+                       "values cross it)")
         if len(outputs) != 1:
             raise Skip(f"the block has {len(outputs)} outputs used outside it (router logits requested, "
                        "e.g. output_router_logits=True); only the block output can be replaced")
         shared_nodes = [self._child_output(region, keep, c) if c is not None else None
                         for c in (shared_mlp, shared_gate)]
         x = self._activation_input(ctx, region, exclude=set(shared_nodes))  # the block input, unreshaped
-        spec = self._check_block(block, routes, experts_spec, live, shared_mlp, shared_gate)
+        spec = self._check_block(block, routes, experts_spec, live, shared_mlp, shared_gate, post_norm)
         live = spec._tensors(live)  # the correction bias only where the routing reads it
 
         def node(name, t):
@@ -229,7 +236,8 @@ class FuseMoE(RegionPass):
             return n
         args = spec.block_args(x, MoEWeights(*(node(f, t) for f, t in zip(MoEWeights._fields, live))), *shared_nodes)
         note = (f"{spec.describe()}{', shared expert' if shared_mlp is not None else ''}"
-                f"{' (sigmoid-gated)' if shared_gate is not None else ''}")
+                f"{' (sigmoid-gated)' if shared_gate is not None else ''}"
+                f"{', output norm kept' if post_norm is not None else ''}")
         return Rewrite(torch.ops.hybrid.moe_block.default, args, {}, {outputs[0]: None}, note=note, nodes=nodes)
 
     # -- pieces -------------------------------------------------------------------------------------
@@ -251,15 +259,17 @@ class FuseMoE(RegionPass):
                           w13, weights["down_proj"], b13, b2)
 
     @staticmethod
-    def _shared_children(block, router_name, experts_name):
+    def _shared_children(block, router_name, experts_name, hidden: int):
+        """(shared expert, its sigmoid gate, a norm of the block's output) among the block's other children, each
+        None when absent. Which part is which comes from shape alone; ``_check_block`` proves the composition."""
         others = [(n, c) for n, c in block.named_children()
                   if n not in (router_name, experts_name) and any(True for _ in c.parameters())]
-        if not others:
-            return None, None
         gates = [c for _, c in others if isinstance(c, torch.nn.Linear) and c.out_features == 1]
-        mlps = [c for _, c in others if not (isinstance(c, torch.nn.Linear) and c.out_features == 1)]
-        if len(mlps) == 1 and len(gates) <= 1:
-            return mlps[0], (gates[0] if gates else None)
+        norms = [c for _, c in others if "norm" in type(c).__name__.lower()
+                 and all(tuple(p.shape) == (hidden,) for p in c.parameters())]
+        mlps = [c for _, c in others if not any(c is o for o in gates + norms)]
+        if len(mlps) <= 1 and len(gates) <= len(mlps) and len(norms) <= 1:
+            return (mlps[0] if mlps else None), (gates[0] if gates else None), (norms[0] if norms else None)
         raise Skip(f"block children {[n for n, _ in others]} besides router and experts: unknown combination")
 
     @staticmethod
@@ -288,13 +298,18 @@ class FuseMoE(RegionPass):
         params = ctx.weight_nodes
         acts = [n for n in sub.inputs if n not in params and n not in exclude
                 and isinstance(node_value(n), torch.Tensor) and node_value(n).dim() > 0]
+        if len(acts) > 1 and any(not node_value(n).is_floating_point() for n in acts):
+            raise Skip("the block reads token ids besides its hidden states (routing by token id, e.g. a hash "
+                       "table): not a routing variant of hybrid::moe")
         if len(acts) != 1:
             raise Skip(f"expected one activation input to the block, found {len(acts)}")
         return acts[0]
 
     @staticmethod
-    def _check_block(block, routes, experts: ExpertsSpec, live: MoEWeights, shared_mlp, shared_gate) -> MoESpec:
-        """The eager block on a probe batch must equal our reference composition of the parts."""
+    def _check_block(block, routes, experts: ExpertsSpec, live: MoEWeights, shared_mlp, shared_gate,
+                     post_norm=None) -> MoESpec:
+        """The eager block on a probe batch must equal our reference composition of the parts (the live output
+        norm applied last, where the block has one)."""
         x = _probe_input(live.router_w, 12, seed=4321).to(live.w13.dtype).view(1, 12, -1)
         flat = x.view(12, -1)
         with eager_probe():
@@ -314,6 +329,8 @@ class FuseMoE(RegionPass):
                                      router_logit_bias=w.router_logit_bias, b13=w.b13, b2=w.b2)
                 if shared is not None:
                     ours = ours + shared
+                if post_norm is not None:
+                    ours = post_norm(ours)
                 ok, msg = close(ours.view_as(expected), expected, live.w13.dtype,
                                 tol=1e-4 if live.w13.dtype == torch.float32 else 3e-2)
                 if ok:

@@ -154,6 +154,11 @@ VARIANTS = {
     "hy_v3": (dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, num_shared_experts=1,
                    mlp_layer_types=["sparse", "sparse"], router_scaling_factor=2.5),
               "sigmoid_group_topk, top-2, renormalised, x2.5, silu, shared expert"),
+    # DeepSeek-V3's block with an RMSNorm on its output (routed + shared): the norm stays in the graph
+    "axk1": (dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  head_dim=8, num_key_value_heads=4, n_group=4, topk_group=2, mlp_layer_types=["dense", "sparse"], intermediate_size=64),
+             "sigmoid_group_topk, top-2, renormalised, x2.5, silu, shared expert, output norm kept"),
     # a soft-capped SwiGLU (tanh caps on the gate factor and on up, the sigmoid on the raw gate)
     "inkling2_text": (dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2),
                       "sigmoid_group_topk, top-2, renormalised, x8, swiglu_softcap (gate cap 4, up cap 25)"),
@@ -163,7 +168,7 @@ VARIANTS = {
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_router_and_experts_variants(name):
     overrides, expect = VARIANTS[name]
-    cfg = transformers.AutoConfig.for_model(name, **_TINY, **overrides)
+    cfg = transformers.AutoConfig.for_model(name, **{**_TINY, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     zoo._randomize_zero_init(model, 0)
@@ -171,3 +176,24 @@ def test_router_and_experts_variants(name):
     statuses = moe_statuses(model, ids)
     assert statuses and all(s == ("rewritten", expect) for s in statuses.values()), statuses
     assert eager_vs_hybrid(model, ids) < 1e-5
+
+
+def test_norm_inside_the_sum_must_not_fire():
+    """A norm child applied to the routed output alone (norm(routed) + shared), not to the block's output: the
+    block is left to Inductor."""
+    overrides, _ = VARIANTS["axk1"]
+    cfg = transformers.AutoConfig.for_model("axk1", **{**_TINY, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    zoo._randomize_zero_init(model, 0)
+    block = model.model.layers[1].mlp
+
+    def forward(h, block=block):
+        _, w, i = block.gate(h)
+        routed = block.experts(h.view(-1, h.shape[-1]), i, w).view(*h.shape)
+        return block.post_mlp_layernorm(routed) + block.shared_experts(h)
+    block.forward = forward
+    ids = prompt(model, 2, 7)
+    statuses = moe_statuses(model, ids)
+    assert statuses and all(s[0] == "skipped" and "not applied last" in s[1] for s in statuses.values()), statuses
+    assert eager_vs_hybrid(model, ids) < 1e-6
