@@ -72,14 +72,17 @@ def identify_experts(experts: torch.nn.Module, gated: bool) -> ExpertsSpec:
     if not gated or apply_gate is None:
         return ExpertsSpec(gated, gated and not concatenated, identify_activation(getattr(experts, "act_fn", None)),
                            transposed)
-    g = torch.Generator(device="cpu").manual_seed(7)
-    t = torch.randn(5, 24, generator=g) * 4
-    with eager_probe():
-        got = apply_gate(t)
     # the clamped SwiGLU's constants, by the names HF's families give them (gpt-oss: alpha / limit)
     alpha = next((getattr(experts, n) for n in ("alpha", "swiglu_alpha") if hasattr(experts, n)), 1.0)
     limit = next((getattr(experts, n) for n in ("limit", "swiglu_limit") if hasattr(experts, n)), float("inf"))
-    consts = {"swiglu_clamp": (float(alpha), float(limit)), "swiglu_softcap": _softcaps(experts)}
+    g = torch.Generator(device="cpu").manual_seed(7)
+    t = torch.randn(5, 24, generator=g) * 4
+    if isinstance(limit, (int, float)) and 0 < limit < float("inf"):  # rows past the limit: a clamp must show
+        t = torch.cat([t, torch.randn(5, 24, generator=g) * 2 * float(limit)])
+    with eager_probe():
+        got = apply_gate(t)
+    consts = {"swiglu_clamp": (float(alpha), float(limit)), "swiglu_softcap": _softcaps(experts),
+              "swiglu_limit": (1.0, float(limit)) if 0 < float(limit) < float("inf") else None}
     for interleaved in (not concatenated, concatenated):
         for act in ACTIVATIONS:
             if act in consts and consts[act] is None:

@@ -159,6 +159,10 @@ VARIANTS = {
                   kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                   head_dim=8, num_key_value_heads=4, n_group=4, topk_group=2, mlp_layer_types=["dense", "sparse"], intermediate_size=64),
              "sigmoid_group_topk, top-2, renormalised, x2.5, silu, shared expert, output norm kept"),
+    # DeepSeek-V4's learned-router layers: sqrt(softplus) scores with a correction bias, a SwiGLU clamped at a limit
+    "deepseek_v4": (dict(moe_intermediate_size=32, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                         mlp_layer_types=["moe", "moe"]),
+                    "sqrtsoftplus_bias_topk, top-2, renormalised, x1.5, swiglu_limit (limit 10), shared expert"),
     # a soft-capped SwiGLU (tanh caps on the gate factor and on up, the sigmoid on the raw gate)
     "inkling2_text": (dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2),
                       "sigmoid_group_topk, top-2, renormalised, x8, swiglu_softcap (gate cap 4, up cap 25)"),

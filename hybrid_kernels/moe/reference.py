@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk", "softmax_bias_topk",
-           "sigmoid_logit_bias_topk", "sparsemixer")
+           "sigmoid_logit_bias_topk", "sparsemixer", "sqrtsoftplus_bias_topk")
 #: activations of the experts: act(gate) * up (gated) or act(up); "swiglu_clamp" (gated only, gpt-oss):
 #: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit); "relu2": relu(x)^2;
-#: "swiglu_softcap" (gated only): cap(gate, alpha) * sigmoid(gate) * cap(up, limit) with cap(x, c) = c tanh(x / c)
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp", "relu2", "swiglu_softcap")
+#: "swiglu_softcap" (gated only): cap(gate, alpha) * sigmoid(gate) * cap(up, limit) with cap(x, c) = c tanh(x / c);
+#: "swiglu_limit" (gated only, DeepSeek-V4): silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_clamp", "relu2", "swiglu_softcap", "swiglu_limit")
 #: the activations that combine gate and up in a form of their own (``glu``), gated experts only
-COMBINED = ("swiglu_clamp", "swiglu_softcap")
+COMBINED = ("swiglu_clamp", "swiglu_softcap", "swiglu_limit")
 #: the activations that act on one tensor
 ELEMENTWISE = tuple(a for a in ACTIVATIONS if a not in COMBINED)
 
@@ -81,8 +82,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, method: str, top_k
     elif method == "topk_softmax":
         top, ids = torch.topk(logits, top_k, dim=-1)
         weights = top.softmax(dim=-1)  # already sums to 1: renormalize is a no-op
-    elif method in ("sigmoid_group_topk", "softmax_bias_topk"):
-        scores = logits.sigmoid() if method == "sigmoid_group_topk" else logits.softmax(dim=-1)
+    elif method in ("sigmoid_group_topk", "softmax_bias_topk", "sqrtsoftplus_bias_topk"):
+        scores = (logits.sigmoid() if method == "sigmoid_group_topk" else logits.softmax(dim=-1)
+                  if method == "softmax_bias_topk" else F.softplus(logits).sqrt())
         choice = scores + bias.float().reshape(-1) if bias is not None else scores
         if method == "sigmoid_group_topk":
             keep = _group_mask(choice, n_group, topk_group, top2=True)
@@ -147,6 +149,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, lim
         return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(g * alpha)
     if activation == "swiglu_softcap":
         return alpha * torch.tanh(gate / alpha) * torch.sigmoid(gate) * limit * torch.tanh(up / limit)
+    if activation == "swiglu_limit":
+        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     return activation_fn(activation)(gate) * up
 
 

@@ -45,7 +45,8 @@ class RouteSpec:
     @property
     def uses_bias(self) -> bool:
         """Whether the router's score-correction bias enters the choice."""
-        return self.method in ("sigmoid_group_topk", "softmax_bias_topk", "sigmoid_logit_bias_topk")
+        return self.method in ("sigmoid_group_topk", "softmax_bias_topk", "sigmoid_logit_bias_topk",
+                               "sqrtsoftplus_bias_topk")
 
     def kwargs(self) -> dict:
         """Keyword arguments of ``reference.route`` and the Triton routing launchers."""
@@ -81,6 +82,8 @@ class ExpertsSpec:
             raise ValueError(f"the {self.activation} activation needs gated experts")
         if self.activation == "swiglu_softcap" and not (0 < self.alpha < float("inf") and 0 < self.limit < float("inf")):
             raise ValueError(f"swiglu_softcap needs finite positive caps, got gate {self.alpha}, up {self.limit}")
+        if self.activation == "swiglu_limit" and not 0 < self.limit < float("inf"):
+            raise ValueError(f"swiglu_limit needs a finite positive limit, got {self.limit}")
 
     def kwargs(self) -> dict:
         return dict(gated=self.gated, interleaved=self.interleaved, activation=self.activation, alpha=float(self.alpha),
@@ -92,7 +95,8 @@ class ExpertsSpec:
 
     def describe(self) -> str:
         act = {"swiglu_clamp": f"swiglu_clamp (alpha {self.alpha:g}, limit {self.limit:g})",
-               "swiglu_softcap": f"swiglu_softcap (gate cap {self.alpha:g}, up cap {self.limit:g})"}.get(
+               "swiglu_softcap": f"swiglu_softcap (gate cap {self.alpha:g}, up cap {self.limit:g})",
+               "swiglu_limit": f"swiglu_limit (limit {self.limit:g})"}.get(
             self.activation, self.activation)
         return act + (", transposed weights" if self.transposed else "")
 

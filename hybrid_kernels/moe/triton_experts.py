@@ -34,8 +34,8 @@ _ACT_ID = {a: i for i, a in enumerate(ACTIVATIONS)}
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu, 5 relu squared (4 swiglu_clamp and 6 swiglu_softcap
-    # combine gate and up: _glu)
+    # 0 silu, 1 gelu (erf), 2 gelu tanh approximation, 3 relu, 5 relu squared (4 swiglu_clamp, 6 swiglu_softcap and
+    # 7 swiglu_limit combine gate and up: _glu)
     if ACT == 0:
         return x / (1.0 + tl.exp(-x))
     elif ACT == 1:
@@ -53,7 +53,8 @@ def _act(x, ACT: tl.constexpr):
 @triton.jit
 def _glu(g, u, ACT: tl.constexpr, alpha, limit):
     """The gated experts' product (reference.glu): act(g) * u, swiglu_clamp's (clamp(u) + 1) * g' sigmoid(alpha g')
-    or swiglu_softcap's cap(g, alpha) sigmoid(g) cap(u, limit), tanh as 2 sigmoid(2x) - 1."""
+    swiglu_softcap's cap(g, alpha) sigmoid(g) cap(u, limit), tanh as 2 sigmoid(2x) - 1, or swiglu_limit's
+    silu(min(g, limit)) clamp(u, -limit, limit)."""
     if ACT == 4:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -62,6 +63,10 @@ def _glu(g, u, ACT: tl.constexpr, alpha, limit):
         gc = alpha * (2.0 / (1.0 + tl.exp(-2.0 * g / alpha)) - 1.0)
         uc = limit * (2.0 / (1.0 + tl.exp(-2.0 * u / limit)) - 1.0)
         return gc * uc / (1.0 + tl.exp(-g))
+    elif ACT == 7:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return u * g / (1.0 + tl.exp(-g))
     else:
         return _act(g, ACT) * u
 

@@ -157,13 +157,23 @@ def _one_row_layout(id_acc, sorted_ptr, block_expert_ptr, num_post_ptr, MAX_PADD
 
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)), log1p exact to a few ulps as
+    log(u) * y / (u - 1) with u = 1 + y (the rounding of u cancels)."""
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    lp = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
 def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride_le, scale, eps,
                 E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                 METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rows [row0, row0 + BLOCK_T) of logits [T, E] -> weights fp32 / ids int32 [T, TOP_K].
     METHOD: 0 softmax_topk, 1 topk_softmax, 2 sigmoid_group_topk, 3 softmax_group_topk, 4 softmax_bias_topk,
-    5 sigmoid_logit_bias_topk, 6 sparsemixer (``eps``: its jitter eps)."""
+    5 sigmoid_logit_bias_topk, 6 sparsemixer (``eps``: its jitter eps), 7 sqrtsoftplus_bias_topk."""
     rows = row0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, EP)
     rmask = rows < T
@@ -180,6 +190,11 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
     elif METHOD == 1 or METHOD == 6:
         score = x
         choice = x
+    elif METHOD == 7:
+        score = tl.sqrt(_softplus(x))
+        choice = score
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     elif METHOD == 5:
         score = 1.0 / (1.0 + tl.exp(-x))
         choice = x
@@ -247,7 +262,7 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, row0, T, stride_lt, stride
         w_acc = ex / tl.sum(ex, axis=1)[:, None]
     elif RENORM:
         denom = tl.sum(tl.where(kvalid, w_acc, 0.0), axis=1)
-        if METHOD == 2 or METHOD == 4:
+        if METHOD == 2 or METHOD == 4 or METHOD == 7:
             denom = denom + 1e-20
         w_acc = w_acc / denom[:, None]
     w_acc = w_acc * tl.cast(scale, tl.float32)  # the scalar may arrive as fp64 under Inductor

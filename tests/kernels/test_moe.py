@@ -61,6 +61,17 @@ def test_route_triton_matches_reference(method, case):
     torch.testing.assert_close(tri_w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+def test_route_sqrtsoftplus_over_the_whole_softplus_range():
+    """sqrt(softplus) scores from logits far below zero (where log1p matters) to above softplus's threshold (20)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.rand(41, 16, generator=g) * 70 - 40).to(DEV)
+    kw = dict(method="sqrtsoftplus_bias_topk", top_k=4, renormalize=True, scale=1.5)
+    ref_w, ref_i = sort_pairs(*reference.route(logits, None, **kw))
+    tri_w, tri_i = sort_pairs(*routing.route_triton(logits, None, **kw))
+    assert torch.equal(ref_i, tri_i)
+    torch.testing.assert_close(tri_w, ref_w, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("T,E,offset,spread,eps", [(1, 16, 0.0, 2.0, 0.01), (37, 16, 8.0, 0.1, 0.01),
                                                   (70, 10, -3.0, 0.05, 0.01), (19, 6, 0.0, 1.0, 0.0)])
 def test_sparsemixer_matches_hf(T, E, offset, spread, eps):
@@ -200,6 +211,7 @@ EXPERT_CASES = [  # T, E, H, I, k, gated, interleaved, activation, dtype, config
     (37, 6, 48, 40, 2, True, False, "silu", torch.float16, SPLIT_CFG, "random"),
     (300, 6, 48, 40, 2, True, False, "silu", torch.float32, None, "random"),
     (37, 6, 48, 40, 2, True, False, "swiglu_softcap", torch.float32, None, "random"),
+    (37, 6, 48, 40, 2, True, True, "swiglu_limit", torch.float32, None, "random"),
 ]
 
 
@@ -215,6 +227,8 @@ def test_experts_triton_matches_reference(case):
     kw = dict(gated=gated, interleaved=interleaved, activation=act)
     if act == "swiglu_softcap":  # caps that bind: |gate|, |up| reach a few units here
         kw.update(alpha=0.7, limit=1.5)
+    if act == "swiglu_limit":
+        kw.update(limit=0.8)
     out = experts.experts_triton(x, w13, w2, weights, ids, config=cfg, **kw)
     ref = reference.experts(x, w13, w2, weights, ids, **kw)
     assert out.dtype == dtype and out.shape == (T, H)
