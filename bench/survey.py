@@ -110,6 +110,8 @@ FAMILY = {
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_heads=4),
+    "kolibri1_1": dict(num_hidden_layers=2, layer_types=["indexed_attention", "sliding_attention"], index_layers=[0],
+                       index_num_heads=2, kv_source_layers=[0, 1]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   use_mamba_kernels=False),
 }
