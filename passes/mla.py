@@ -41,12 +41,20 @@ class FuseMLA(RegionPass):
         return [("kv_b_proj.weight", module.kv_b_proj.weight), ("o_proj.weight", module.o_proj.weight)]
 
     def plan(self, ctx: PassContext, region: Region) -> Rewrite:
-        m = region.module
         sdpa = [n for n in region.nodes if n.op == "call_function" and n.target in _SDPA]
         if len(sdpa) != 1:
             raise Skip("attention does not run through scaled_dot_product_attention "
                        "(attn_implementation must be 'sdpa'; eager/flex are left to Inductor)")
         sdpa = sdpa[0]
+        region, undo = self._split_query(region, sdpa)
+        try:
+            return self._plan(ctx, region, sdpa)
+        except BaseException:
+            undo()
+            raise
+
+    def _plan(self, ctx: PassContext, region: Region, sdpa: fx.Node) -> Rewrite:
+        m = region.module
         weight = ctx.param_node(m.kv_b_proj.weight)
         key = str(id(m.kv_b_proj))
         lins = [n for n in region.nodes if n.op == "call_function" and n.target in _LINEAR
@@ -86,6 +94,36 @@ class FuseMLA(RegionPass):
                        note=note, nodes=nodes)
 
     # -- structure ----------------------------------------------------------------------------------
+    @staticmethod
+    def _split_query(region: Region, sdpa: fx.Node):
+        """A query that is not cat(q_nope, q_rope) but one projection of nope + rope channels per head (no rotary
+        embedding: Kimi Linear's NoPE MLA) is put in that form: SDPA reads cat(q[..., :nope], q[..., nope:]), the
+        same tensor, with the three nodes in the region. Returns the region and an undo for when the plan fails."""
+        q, m = sdpa.args[0], region.module
+        if isinstance(q, fx.Node) and q.target is torch.cat:
+            return region, lambda: None
+        nope, qv = getattr(m, "qk_nope_head_dim", None), node_value(q)
+        if not (isinstance(q, fx.Node) and isinstance(nope, int) and isinstance(qv, torch.Tensor) and qv.dim() == 4
+                and 0 < nope < concrete(qv.shape[-1])):
+            raise Skip("the query is not cat(q_nope, q_rope) on the last dim")
+        graph = sdpa.graph
+        with graph.inserting_before(sdpa):
+            halves = [graph.call_function(operator.getitem, (q, (Ellipsis, part)))
+                      for part in (slice(None, nope), slice(nope, None))]
+            cat = graph.call_function(torch.cat, (halves,), {"dim": -1})
+        for n, v in zip([*halves, cat], [qv[..., :nope], qv[..., nope:], qv]):
+            n.meta.update(val=v, nn_module_stack=dict(sdpa.meta.get("nn_module_stack") or {}))
+        sdpa.replace_input_with(q, cat)
+        at = region.nodes.index(sdpa)
+        region = Region(region.kind, region.key, region.path, region.cls_name, m,
+                        [*region.nodes[:at], *halves, cat, *region.nodes[at:]])
+
+        def undo():
+            sdpa.replace_input_with(cat, q)
+            for n in (cat, *reversed(halves)):
+                graph.erase_node(n)
+        return region, undo
+
     @staticmethod
     def _query_halves(sdpa: fx.Node) -> tuple[fx.Node, fx.Node]:
         q = sdpa.args[0]

@@ -14,7 +14,7 @@ def mla_statuses(model, ids, **kw):
     return {r["module"]: r for r in explain(model, ids, **kw).regions() if r["kind"] == "mla"}
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "kimi_linear"])
 def test_prefill_and_decode_rewritten(name):
     model = zoo.build(name)
     regions = mla_statuses(model, prompt(model, 1, 9), generate_tokens=3)
@@ -78,3 +78,35 @@ def test_changed_key_assembly_is_caught_by_the_probe():
     ids = prompt(model, 1, 6)
     regions = mla_statuses(model, ids)
     assert regions and all(r["status"] == "skipped" for r in regions.values()), regions
+
+
+def test_nope_query_split_matches_eager():
+    """Kimi Linear's MLA has no rotary embedding: its query is one projection of nope + rope channels, which the pass
+    splits for the op; logits and greedy tokens through prefill and decode graphs equal eager."""
+    eager, compiled = zoo.build("kimi_linear"), compile_forward(zoo.build("kimi_linear"), {"inductor": False})
+    ids = prompt(eager, 2, 9)
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        assert rel_err(compiled(ids).logits, eager(ids).logits) < 1e-5
+        assert torch.equal(compiled.generate(ids, **gen), eager.generate(ids, **gen))
+    torch._dynamo.reset()
+
+
+def test_nope_query_split_undone_when_the_probe_fails():
+    """A NoPE MLA whose value expansion differs (scaled by 2): the query is split for the plan, the plan rejects the
+    attention, the split is undone and the model compiles to eager's logits."""
+    model = zoo.build("kimi_linear")
+    for m in model.modules():
+        if hasattr(m, "expand_kv") and hasattr(m, "kv_b_proj"):
+            def expand_kv(kv_nope, k_rot, orig=m.expand_kv):
+                k, v = orig(kv_nope, k_rot)
+                return k, v.transpose(2, 3).contiguous().transpose(2, 3) * 2.0
+            m.expand_kv = expand_kv
+    ids = prompt(model, 1, 6)
+    regions = mla_statuses(model, ids)
+    assert regions and all(r["status"] == "skipped" and "not a plain MLA" in r["reason"]
+                           for r in regions.values()), regions
+    compiled = compile_forward(model, {"inductor": False})
+    with torch.no_grad():
+        assert rel_err(compiled(ids).logits, model(ids).logits) < 1e-5
+    torch._dynamo.reset()
