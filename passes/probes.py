@@ -63,6 +63,15 @@ def _softcaps(experts: torch.nn.Module) -> tuple[float, float] | None:
     return (float(caps[0]), float(caps[1])) if ok else None
 
 
+def _number(obj, names: tuple[str, ...], default: float) -> float:
+    """The first of ``obj``'s attributes ``names`` that holds a number, as a float, else ``default``."""
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return default
+
+
 def identify_experts(experts: torch.nn.Module, gated: bool) -> ExpertsSpec:
     """How the experts combine gate and up (HF's ``_apply_gate``: act_fn(gate) * up by default, clamped SwiGLU in
     gpt-oss), proven on a probe of the live method; ungated experts: their ``act_fn``."""
@@ -72,17 +81,18 @@ def identify_experts(experts: torch.nn.Module, gated: bool) -> ExpertsSpec:
     if not gated or apply_gate is None:
         return ExpertsSpec(gated, gated and not concatenated, identify_activation(getattr(experts, "act_fn", None)),
                            transposed)
-    # the clamped SwiGLU's constants, by the names HF's families give them (gpt-oss: alpha / limit)
-    alpha = next((getattr(experts, n) for n in ("alpha", "swiglu_alpha") if hasattr(experts, n)), 1.0)
-    limit = next((getattr(experts, n) for n in ("limit", "swiglu_limit") if hasattr(experts, n)), float("inf"))
+    # the clamped SwiGLU's constants, by the names HF's families give them (gpt-oss: alpha / limit); a constant set
+    # to None (a family's "no clipping on this layer") counts as absent
+    alpha = _number(experts, ("alpha", "swiglu_alpha"), 1.0)
+    limit = _number(experts, ("limit", "swiglu_limit"), float("inf"))
     g = torch.Generator(device="cpu").manual_seed(7)
     t = torch.randn(5, 24, generator=g) * 4
-    if isinstance(limit, (int, float)) and 0 < limit < float("inf"):  # rows past the limit: a clamp must show
-        t = torch.cat([t, torch.randn(5, 24, generator=g) * 2 * float(limit)])
+    if 0 < limit < float("inf"):  # rows past the limit: a clamp must show
+        t = torch.cat([t, torch.randn(5, 24, generator=g) * 2 * limit])
     with eager_probe():
         got = apply_gate(t)
-    consts = {"swiglu_clamp": (float(alpha), float(limit)), "swiglu_softcap": _softcaps(experts),
-              "swiglu_limit": (1.0, float(limit)) if 0 < float(limit) < float("inf") else None}
+    consts = {"swiglu_clamp": (alpha, limit), "swiglu_softcap": _softcaps(experts),
+              "swiglu_limit": (1.0, limit) if 0 < limit < float("inf") else None}
     for interleaved in (not concatenated, concatenated):
         for act in ACTIVATIONS:
             if act in consts and consts[act] is None:

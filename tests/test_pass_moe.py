@@ -201,3 +201,23 @@ def test_norm_inside_the_sum_must_not_fire():
     statuses = moe_statuses(model, ids)
     assert statuses and all(s[0] == "skipped" and "not applied last" in s[1] for s in statuses.values()), statuses
     assert eager_vs_hybrid(model, ids) < 1e-6
+
+
+def test_clamp_after_the_activation_must_not_fire():
+    """Experts that clamp silu(gate) (bailing_hybrid with per-layer limits: min(silu(gate), L) * clamp(up, -L, L))
+    compute none of the known activations: the probe reaches past the limit and the block is left to Inductor.
+    Without limits (None: no clipping) the same experts are plain SwiGLU and are rewritten."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.survey import tiny_config
+    for limits, status in ((None, "rewritten"), (7.0, "skipped")):
+        cfg = tiny_config("bailing_hybrid")
+        cfg.swiglu_limits = None if limits is None else [limits] * cfg.num_hidden_layers
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        zoo._randomize_zero_init(model, 0)
+        statuses = moe_statuses(model, prompt(model, 1, 6))
+        assert statuses and all(s[0] == status for s in statuses.values()), (limits, statuses)
+        if status == "skipped":
+            assert all("none of act(gate) * up" in s[1] for s in statuses.values()), statuses
