@@ -239,7 +239,7 @@ class RegionPass(Pass):
             rw = self.plan(ctx, region)
         except Skip as e:
             return SKIPPED, str(e)
-        except Exception as e:  # noqa: BLE001  (planning only reads the graph: this region alone is left alone)
+        except Exception as e:  # noqa: BLE001  (a plan reads the graph or undoes its own edits: the region is left)
             log.warning("hybrid: %s pass failed to plan %s: %s: %s", self.name, region.path, type(e).__name__, e)
             return SKIPPED, f"the {self.name} pass failed on this region ({type(e).__name__}: {e}); left to Inductor"
         if ctx.verifier is not None:
