@@ -8,8 +8,8 @@ the per-head re-expansion of the whole cache, the key assembly (``new_empty`` + 
 attention itself. Projections, RoPE, HF's cache update and ``o_proj`` stay in the graph; so do HF's cache
 semantics. A query that is one projection of nope + rope channels per head, no RoPE applied (Kimi Linear), is
 first put in the cat(q_nope, q_rope) form the op takes (``_split_query``). Before rewriting, the replaced
-sub-graph is cut out and run on random inputs against the op: a structure that computes something else is left to Inductor. In the engine's decode graphs the cache update
-returns ``hybrid::paged_gather`` (the paged-decode contract, hybrid_kernels/mla/ops.py): a one-token attention whose latent
+sub-graph is cut out and run on random inputs against the op: a structure that computes something else is
+left to Inductor. In the engine's decode graphs the cache update returns ``hybrid::paged_gather`` (the paged-decode contract, hybrid_kernels/mla/ops.py): a one-token attention whose latent
 and rope key come straight from it becomes ``hybrid::mla_attention_paged`` over the pages, and the gather is erased.
 passes/mla_step.py then takes the step's cache write and kv_a_layernorm into that op where it can prove them.
 """
