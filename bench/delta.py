@@ -161,17 +161,24 @@ def decode_sweep(dev) -> list[dict]:
     return rows
 
 
-def prefill_sweep(dev, T: int = 4096) -> list[dict]:
-    """The prefill kernels' warps and chunk length at T = 4K, both shapes: GPU time per kernel (bench/TUNING.md)."""
+#: launch-parameter variants the prefill sweep times, each over CONFIG["chunk"]'s defaults
+SWEEP = ({}, {"prepare_warps": 8}, {"output_warps": 8}, {"state_warps": 8}, {"BV": 16}, {"BV": 64, "state_warps": 8},
+         {"BKS": 8}, {"C": 32})
+
+
+def prefill_sweep(dev, T: int = 4096, save=lambda rows: None) -> list[dict]:
+    """The prefill kernels' launch parameters (``SWEEP``) at one length, every shape: GPU time per kernel
+    (bench/TUNING.md)."""
     from hybrid_kernels.delta import triton_chunk
     from hybrid_kernels.delta.triton_config import CONFIG
     rows, saved = [], dict(CONFIG["chunk"])
     for name, s in SHAPES.items():
         q, k, v, g, beta = inputs(1, T, s["HK"], s["HV"], s["K"], s["V"], s["per_channel"], dev)
-        for C, warps in ((64, 4), (64, 8), (32, 4), (32, 8)):
-            CONFIG["chunk"].update(C=C, prepare_warps=warps, state_warps=warps, output_warps=warps)
+        for variant in SWEEP:
+            CONFIG["chunk"].clear()
+            CONFIG["chunk"].update(saved, **variant)
             triton_chunk._CHUNK_FITS.clear()
-            row = dict(section="prefill_sweep", shape=name, T=T, C=C, warps=warps)
+            row = dict(section="prefill_sweep", shape=name, T=T, variant=variant)
             try:
                 fn = lambda: triton_chunk.delta_rule_chunk_triton(q, k, v, g, beta, s["K"] ** -0.5)  # noqa: E731
                 row.update(ms=cuda_ms(fn), kernels_ms=kernel_times(fn), C_run=triton_chunk._CHUNK_FITS.get(
@@ -180,6 +187,7 @@ def prefill_sweep(dev, T: int = 4096) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             log("sweep", row)
             rows.append(row)
+            save(rows)
     CONFIG["chunk"].clear()
     CONFIG["chunk"].update(saved)
     triton_chunk._CHUNK_FITS.clear()
@@ -250,6 +258,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--no-fla", action="store_true", help="leave out the fla baseline (its first calls autotune)")
     ap.add_argument("--lengths", help="comma-separated prefill lengths (default 4096,16384,32768)")
+    ap.add_argument("--sweep-length", type=int, default=4096, help="the prefill sweep's T")
     ap.add_argument("--chunk-config", help='JSON over hybrid_kernels/delta CONFIG["chunk"], e.g. \'{"state_stages": 2}\'')
     args = ap.parse_args()
     if args.chunk_config:
@@ -271,7 +280,8 @@ def main():
     if "decode" in sections:
         rows += decode_rows(batches, fla, dev)
     write(args.out, "delta", rows, table_md(rows))
-    sweep = (prefill_sweep(dev) if "prefill_sweep" in sections else []) + \
+    sweep = (prefill_sweep(dev, args.sweep_length, lambda done: write(args.out, "delta", rows + done, table_md(rows)))
+             if "prefill_sweep" in sections else []) + \
         (decode_sweep(dev) if "decode_sweep" in sections else [])
     md = table_md(rows) + "\n\n" + "\n".join(f"- {r}" for r in sweep)
     rows += sweep

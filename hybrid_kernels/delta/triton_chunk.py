@@ -1,13 +1,15 @@
 """Chunked prefill of the gated delta rule in Triton (the math of reference.delta_rule_chunked), three kernels:
 
 1. ``_chunk_prepare``, one program per (chunk, value head), all chunks in parallel: the in-chunk cumulative decay G,
-   the UT system L = strict_lower(beta_i k_i.k_j exp(G_i - G_j)) inverted blockwise (``_solve_unit_lower``:
-   16 x 16 diagonal blocks by forward substitution, stable where a product formula is not, since L's powers grow
-   binomially for near-equal keys; the blocks below by products of those), w = (I + L)^-1 (beta k exp(G)),
-   u = (I + L)^-1 (beta v) and the in-chunk attention Aqk = tril(scale q_i.k_j exp(G_i - G_j)).
+   the UT system L = strict_lower(beta_i k_i.k_j exp(G_i - G_j)) inverted blockwise in registers
+   (``_solve_unit_lower``: 16 x 16 diagonal blocks by forward substitution, stable where a product formula is not,
+   since L's powers grow binomially for near-equal keys; the blocks below by products of those),
+   w = (I + L)^-1 (beta k exp(G)), u = (I + L)^-1 (beta v) and the in-chunk attention
+   Aqk = tril(scale q_i.k_j exp(G_i - G_j)).
    With a decay per key channel (Kimi Delta Attention) exp(G_i - G_j) differs per channel: the pairwise products
    are taken on 16 x 16 sub-blocks, off-diagonal ones as (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)) with G_r the
-   decay at the first row of block i (both factors <= 1, no overflow), diagonal ones channel by channel.
+   decay at the first row of block i (both factors <= 1, no overflow), diagonal ones channel by channel; the k.k and
+   q.k products of a block share their loads and exponentials.
 2. ``_chunk_state``, one program per (sequence, value head, block of V columns), sequential over the sequence's
    chunks with the state block [K, BV] in registers (fp32): stores the state each chunk starts from and
    v' = u - w S, then S <- exp(G_last) S + (k exp(G_last - G))^T v'; initial and final states per sequence.
@@ -39,17 +41,19 @@ def _rows(ptr, rows, mask, stride_t, cols, ncols, L2: tl.constexpr):
 
 
 @triton.jit
-def _decay_pairs(x_ptr, k_ptr, G_ptr, base, C, stride_xt, stride_kt, stride_gt, I: tl.constexpr,
-                 J: tl.constexpr, K, scale, SUB: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-                 L2: tl.constexpr, INCLUSIVE: tl.constexpr, end):
-    """[SUB, SUB] block (I, J) of sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d]) (per-channel decay), masked to j < i or
-    j <= i on the diagonal block."""
+def _decay_pairs(q_ptr, k_ptr, G_ptr, base, stride_qt, stride_kt, stride_gt, I: tl.constexpr, J: tl.constexpr, K,
+                 scale, SUB: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, L2: tl.constexpr, end):
+    """Block (I, J) of the two pairwise products under a decay per key channel, sum_d x_i[d] k_j[d] exp(G_i[d] -
+    G_j[d]) for x = k (masked to j < i) and x = scale q (j <= i), as [SUB, SUB] fp32 (lk, aq); both share every
+    load and exponential."""
     ri = base + I * SUB + tl.arange(0, SUB)
     rj = base + J * SUB + tl.arange(0, SUB)
     mi, mj = ri < end, rj < end
     cols = tl.arange(0, BK)
+    ii = tl.arange(0, SUB)
     if J < I:
-        xi = _rows(x_ptr, ri, mi, stride_xt, cols, K, L2) * scale
+        qi = _rows(q_ptr, ri, mi, stride_qt, cols, K, L2) * scale
+        ki = _rows(k_ptr, ri, mi, stride_kt, cols, K, L2)
         kj = _rows(k_ptr, rj, mj, stride_kt, cols, K, L2)
         gi = _rows(G_ptr, ri, mi, stride_gt, cols, K, False)
         gj = _rows(G_ptr, rj, mj, stride_gt, cols, K, False)
@@ -57,75 +61,124 @@ def _decay_pairs(x_ptr, k_ptr, G_ptr, base, C, stride_xt, stride_kt, stride_gt, 
         lim = tl.where(base + I * SUB < end, K, 0)
         ref = tl.load(G_ptr + (base + I * SUB) * stride_gt + cols, mask=cols < lim, other=0.0)
         # rows past the end carry zeros: keep their exponents at 0 so no 0 * inf appears in the kept rows
-        ei = tl.where(mi[:, None], gi - ref[None, :], 0.0)
-        ej = tl.where(mj[:, None], ref[None, :] - gj, 0.0)
-        a = tl.dot(xi * tl.exp(ei), tl.trans(kj * tl.exp(ej)), input_precision="ieee")
+        ei = tl.exp(tl.where(mi[:, None], gi - ref[None, :], 0.0))
+        kjd = tl.trans(kj * tl.exp(tl.where(mj[:, None], ref[None, :] - gj, 0.0)))
+        lk = tl.dot(ki * ei, kjd, input_precision="ieee")
+        aq = tl.dot(qi * ei, kjd, input_precision="ieee")
     else:
         # the norms need whole rows: take them first, then the channels BKS at a time
-        xi_f = _rows(x_ptr, ri, mi, stride_xt, cols, K, False)
-        kj_f = _rows(k_ptr, rj, mj, stride_kt, cols, K, False)
-        xi_n = tl.sum(xi_f * xi_f, axis=1)
-        kj_n = tl.sum(kj_f * kj_f, axis=1)
-        a = tl.zeros([SUB, SUB], dtype=tl.float32)
-        ii = tl.arange(0, SUB)
-        keep = ii[:, None] >= ii[None, :] if INCLUSIVE else ii[:, None] > ii[None, :]
+        qn = _rows(q_ptr, ri, mi, stride_qt, cols, K, False)
+        kn = _rows(k_ptr, ri, mi, stride_kt, cols, K, False)
+        lk = tl.zeros([SUB, SUB], dtype=tl.float32)
+        aq = tl.zeros([SUB, SUB], dtype=tl.float32)
+        keep = ii[:, None] >= ii[None, :]
         for d0 in tl.static_range(0, BK, BKS):
             cs = d0 + tl.arange(0, BKS)
-            xi = _rows(x_ptr, ri, mi, stride_xt, cs, K, False)
+            qi = _rows(q_ptr, ri, mi, stride_qt, cs, K, False)
+            ki = _rows(k_ptr, ri, mi, stride_kt, cs, K, False)
             kj = _rows(k_ptr, rj, mj, stride_kt, cs, K, False)
             gi = _rows(G_ptr, ri, mi, stride_gt, cs, K, False)
             gj = _rows(G_ptr, rj, mj, stride_gt, cs, K, False)
-            e = tl.where(keep[:, :, None], gi[:, None, :] - gj[None, :, :], float("-inf"))
-            a += tl.sum(xi[:, None, :] * kj[None, :, :] * tl.exp(e), axis=2)
-        if L2:
-            a = a * tl.rsqrt(xi_n + 1e-6)[:, None] * tl.rsqrt(kj_n + 1e-6)[None, :]
-        a = a * scale
-    return a
+            e = tl.exp(tl.where(keep[:, :, None], gi[:, None, :] - gj[None, :, :], float("-inf")))
+            kje = kj[None, :, :] * e
+            lk += tl.sum(ki[:, None, :] * kje, axis=2)
+            aq += tl.sum(qi[:, None, :] * kje, axis=2)
+        if L2:  # on the diagonal block the key rows i and j are the same rows
+            rk = tl.rsqrt(tl.sum(kn * kn, axis=1) + 1e-6)
+            lk = lk * rk[:, None] * rk[None, :]
+            aq = aq * tl.rsqrt(tl.sum(qn * qn, axis=1) + 1e-6)[:, None] * rk[None, :]
+        lk = tl.where(ii[:, None] > ii[None, :], lk, 0.0)
+        aq = aq * scale
+    return lk, aq
+
+
+@triton.jit
+def _inv_block(Lb, SUB: tl.constexpr):
+    """(I + Lb)^-1 of a strictly lower [SUB, SUB] block, in registers by forward substitution: row i of the inverse
+    is e_i - sum_{m < i} Lb[i, m] row m."""
+    jj = tl.arange(0, SUB)
+    T = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, SUB):
+        l_i = tl.sum(tl.where(jj[:, None] == i, Lb, 0.0), axis=0)
+        t_i = tl.where(jj == i, 1.0, 0.0) - tl.sum(l_i[:, None] * T, axis=0)
+        T = tl.where(jj[:, None] == i, t_i[None, :], T)
+    return T
+
+
+@triton.jit
+def _blk(Lh, start, end, sL, I: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr):
+    """Block (I, J) of one chunk's [C, C] matrix at ``Lh`` (rows from ``start``, zero past ``end``)."""
+    jj = tl.arange(0, SUB)
+    r = start + I * SUB + jj
+    return tl.load(Lh + r[:, None] * sL + (J * SUB + jj)[None, :], mask=(r < end)[:, None], other=0.0)
+
+
+@triton.jit
+def _put(Lh, T, start, end, sL, I: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr):
+    jj = tl.arange(0, SUB)
+    r = start + I * SUB + jj
+    tl.store(Lh + r[:, None] * sL + (J * SUB + jj)[None, :], T, mask=(r < end)[:, None])
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
 def _solve_unit_lower(Lh, start, end, sL, C: tl.constexpr, SUB: tl.constexpr):
-    """(I + L)^-1 in place of the strictly lower [C, C] L of one chunk (rows from ``start``, row stride ``sL``),
-    blocked: each SUB x SUB diagonal block inverted by forward substitution (SUB - 1 row steps), then the blocks
-    below the diagonal row by row, T_IJ = -T_II sum_{J <= M < I} L_IM T_MJ. Rows past ``end`` are neither read nor
-    written (they belong to the next chunk's tokens)."""
-    jj = tl.arange(0, SUB)
-    eye = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
-    for I in tl.static_range(C // SUB):
-        ri = start + I * SUB + jj
-        ci = I * SUB + jj
-        T = eye
-        for i in tl.static_range(1, SUB):
-            r = start + I * SUB + i + 0 * jj  # row i of the block, broadcast over the columns
-            l_i = tl.load(Lh + r * sL + ci, mask=(jj < i) & (r < end), other=0.0)
-            t_i = tl.where(jj == i, 1.0, 0.0) - tl.sum(l_i[:, None] * T, axis=0)
-            T = tl.where(jj[:, None] == i, t_i[None, :], T)
-        tl.debug_barrier()  # every row of the block is read before the inverse overwrites it
-        tl.store(Lh + ri[:, None] * sL + ci[None, :], T, mask=(ri < end)[:, None])
-    tl.debug_barrier()
-    for I in tl.static_range(1, C // SUB):
-        ri = start + I * SUB + jj
-        mi = (ri < end)[:, None]
-        Tii = tl.load(Lh + ri[:, None] * sL + (I * SUB + jj)[None, :], mask=mi, other=0.0)
-        for J in tl.static_range(I):
-            acc = tl.zeros([SUB, SUB], dtype=tl.float32)
-            for M in tl.static_range(J, I):
-                rm = start + M * SUB + jj
-                Lim = tl.load(Lh + ri[:, None] * sL + (M * SUB + jj)[None, :], mask=mi, other=0.0)
-                Tmj = tl.load(Lh + rm[:, None] * sL + (J * SUB + jj)[None, :], mask=(rm < end)[:, None], other=0.0)
-                acc += tl.dot(Lim, Tmj, input_precision="ieee")
-            Tij = -tl.dot(Tii, acc, input_precision="ieee")
-            tl.debug_barrier()  # L_IJ (read above) is replaced by T_IJ; later J read only L_IM with M > J
-            tl.store(Lh + ri[:, None] * sL + (J * SUB + jj)[None, :], Tij, mask=mi)
-        tl.debug_barrier()  # row block I is complete before the next one reads it
+    """(I + L)^-1 in place of the strictly lower [C, C] L of one chunk (rows from ``start``, row stride ``sL``;
+    C / SUB = 1, 2 or 4 blocks), in registers: every block of L is loaded, each diagonal block inverted by forward
+    substitution (``_inv_block``: stable where a product formula is not, since L's powers grow binomially for
+    near-equal keys), the blocks below from T_IJ = -T_II sum_{J <= M < I} L_IM T_MJ, and T stored over L. Rows past
+    ``end`` are neither read nor written (they belong to the next chunk's tokens)."""
+    NB: tl.constexpr = C // SUB
+    tl.static_assert(NB == 1 or NB == 2 or NB == 4)
+    L00 = _blk(Lh, start, end, sL, 0, 0, SUB)
+    if NB > 1:
+        L11 = _blk(Lh, start, end, sL, 1, 1, SUB)
+        L10 = _blk(Lh, start, end, sL, 1, 0, SUB)
+    if NB > 2:
+        L22 = _blk(Lh, start, end, sL, 2, 2, SUB)
+        L33 = _blk(Lh, start, end, sL, 3, 3, SUB)
+        L20 = _blk(Lh, start, end, sL, 2, 0, SUB)
+        L21 = _blk(Lh, start, end, sL, 2, 1, SUB)
+        L30 = _blk(Lh, start, end, sL, 3, 0, SUB)
+        L31 = _blk(Lh, start, end, sL, 3, 1, SUB)
+        L32 = _blk(Lh, start, end, sL, 3, 2, SUB)
+    tl.debug_barrier()  # every block is read before T overwrites any
+    T00 = _inv_block(L00, SUB)
+    _put(Lh, T00, start, end, sL, 0, 0, SUB)
+    if NB > 1:
+        T11 = _inv_block(L11, SUB)
+        T10 = -_mm(T11, _mm(L10, T00))
+        _put(Lh, T11, start, end, sL, 1, 1, SUB)
+        _put(Lh, T10, start, end, sL, 1, 0, SUB)
+    if NB > 2:
+        T22 = _inv_block(L22, SUB)
+        T33 = _inv_block(L33, SUB)
+        T21 = -_mm(T22, _mm(L21, T11))
+        T32 = -_mm(T33, _mm(L32, T22))
+        T20 = -_mm(T22, _mm(L20, T00) + _mm(L21, T10))
+        T31 = -_mm(T33, _mm(L31, T11) + _mm(L32, T21))
+        T30 = -_mm(T33, _mm(L30, T00) + _mm(L31, T10) + _mm(L32, T20))
+        _put(Lh, T22, start, end, sL, 2, 2, SUB)
+        _put(Lh, T33, start, end, sL, 3, 3, SUB)
+        _put(Lh, T20, start, end, sL, 2, 0, SUB)
+        _put(Lh, T21, start, end, sL, 2, 1, SUB)
+        _put(Lh, T30, start, end, sL, 3, 0, SUB)
+        _put(Lh, T31, start, end, sL, 3, 1, SUB)
+        _put(Lh, T32, start, end, sL, 3, 2, SUB)
 
 
 @triton.jit
 def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr, kd_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
                    stride_bt, stride_bh, HV, REP, K, V, scale,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr,
-                   PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, SUB: tl.constexpr,
+                   BKS: tl.constexpr, PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+    """Every [C, D] tile is taken BD columns at a time (loaded again where needed: the chunk's rows stay in L2), so
+    that no more than a few [C, BD] / [C, C] fp32 tiles are live at once: whole [C, 128] tiles spill registers."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(chunks_ptr + 2 * c)
@@ -135,32 +188,49 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
     hk = hv // REP
     rows = start + tl.arange(0, C)
     m = rows < end
-    ck = tl.arange(0, BK)
-    cv = tl.arange(0, BV)
+    ii = tl.arange(0, C)
+    last = end - 1 - start  # the chunk's last row
     qh = q_ptr + hk * stride_qh
     kh = k_ptr + hk * stride_kh
-    kx = _rows(kh, rows, m, stride_kt, ck, K, L2)
     beta = tl.load(beta_ptr + rows * stride_bt + hv * stride_bh, mask=m, other=0.0).to(tl.float32)
     # scratch rows: token-major [tokens, HV, D]
     Gh = G_ptr + hv * BK
     sG = HV * BK
     Lh = L_ptr + hv * C  # beta_i L_ij, then (I + L)^-1 in its place
     sL = HV * C
-    ii = tl.arange(0, C)
+    Ah = A_ptr + hv * C
+    sd = u_ptr.dtype.element_ty
+    # inverse L2 norms of the query and key rows
+    rq = tl.full([C], 1.0, tl.float32)
+    rk = tl.full([C], 1.0, tl.float32)
+    if L2:
+        sq = tl.zeros([C], dtype=tl.float32)
+        sk = tl.zeros([C], dtype=tl.float32)
+        for d0 in tl.static_range(0, BK, BD):
+            cd = d0 + tl.arange(0, BD)
+            qb = _rows(qh, rows, m, stride_qt, cd, K, False)
+            kb = _rows(kh, rows, m, stride_kt, cd, K, False)
+            sq += tl.sum(qb * qb, axis=1)
+            sk += tl.sum(kb * kb, axis=1)
+        rq = tl.rsqrt(sq + 1e-6)
+        rk = tl.rsqrt(sk + 1e-6)
     if PER_CHANNEL:
-        g = _rows(g_ptr + hv * stride_gh, rows, m, stride_gt, ck, K, False)
-        G = tl.cumsum(g, axis=0)  # [C, BK]
-        tl.store(Gh + rows[:, None] * sG + ck[None, :], G, mask=m[:, None])
+        for d0 in tl.static_range(0, BK, BD):
+            cd = d0 + tl.arange(0, BD)
+            Gb = tl.cumsum(_rows(g_ptr + hv * stride_gh, rows, m, stride_gt, cd, K, False), axis=0)
+            tl.store(Gh + rows[:, None] * sG + cd[None, :], Gb, mask=m[:, None])
+            Gl = tl.sum(tl.where(ii[:, None] == last, Gb, 0.0), axis=0)
+            # the keys as the state update reads them: k exp(G_last - G)
+            kb = _rows(kh, rows, m, stride_kt, cd, K, False) * rk[:, None]
+            tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :], (kb * tl.exp(Gl[None, :] - Gb)).to(sd),
+                     mask=m[:, None])
         tl.debug_barrier()  # the sub-blocks below read G back
-        Ah = A_ptr + hv * C
         for I in tl.static_range(C // SUB):
             ri = start + I * SUB + tl.arange(0, SUB)
             for J in tl.static_range(I + 1):
                 cj = J * SUB + tl.arange(0, SUB)
-                lk = _decay_pairs(kh, kh, Gh, start, C, stride_kt, stride_kt, sG, I, J, K, 1.0, SUB, BK, BKS,
-                                  L2, False, end)
-                aq = _decay_pairs(qh, kh, Gh, start, C, stride_qt, stride_kt, sG, I, J, K, scale, SUB, BK, BKS,
-                                  L2, True, end)
+                lk, aq = _decay_pairs(qh, kh, Gh, start, stride_qt, stride_kt, sG, I, J, K, scale, SUB, BK, BKS, L2,
+                                      end)
                 tl.store(Lh + ri[:, None] * sL + cj[None, :], lk, mask=(ri < end)[:, None])
                 tl.store(Ah + ri[:, None] * sL + cj[None, :], aq.to(A_ptr.dtype.element_ty), mask=(ri < end)[:, None])
         tl.debug_barrier()
@@ -169,38 +239,44 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
                     other=0.0)
         tl.debug_barrier()
         tl.store(Lh + rows[:, None] * sL + ii[None, :], L * beta[:, None], mask=m[:, None])
-        decay_k = tl.exp(G)
-        Gl = tl.sum(tl.where(ii[:, None] == end - 1 - start, G, 0.0), axis=0)  # [BK]: the chunk's last row
-        kd = kx * tl.exp(Gl[None, :] - G)
     else:
-        g = tl.load(g_ptr + rows * stride_gt + hv * stride_gh, mask=m, other=0.0).to(tl.float32)
-        G = tl.cumsum(g, axis=0)  # [C]
+        G = tl.cumsum(tl.load(g_ptr + rows * stride_gt + hv * stride_gh, mask=m, other=0.0).to(tl.float32), axis=0)
         tl.store(Gh + rows * sG, G, mask=m)
-        qx = _rows(qh, rows, m, stride_qt, ck, K, L2) * scale
-        e = tl.where(ii[:, None] >= ii[None, :], G[:, None] - G[None, :], float("-inf"))
-        pair = tl.exp(e)
-        L = tl.dot(kx, tl.trans(kx), input_precision=PREC) * pair
-        L = tl.where(ii[:, None] > ii[None, :], L, 0.0) * beta[:, None]
+        Gl = tl.sum(tl.where(ii == last, G, 0.0), axis=0)
+        kk = tl.zeros([C, C], dtype=tl.float32)
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        for d0 in tl.static_range(0, BK, BD):
+            cd = d0 + tl.arange(0, BD)
+            qb = _rows(qh, rows, m, stride_qt, cd, K, False)
+            kb = _rows(kh, rows, m, stride_kt, cd, K, False)
+            kbt = tl.trans(kb)
+            kk += tl.dot(kb, kbt, input_precision=PREC)
+            qk += tl.dot(qb, kbt, input_precision=PREC)
+            tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :],
+                     (kb * (rk * tl.exp(Gl - G))[:, None]).to(sd), mask=m[:, None])
+        pair = tl.exp(tl.where(ii[:, None] >= ii[None, :], G[:, None] - G[None, :], float("-inf")))
+        L = tl.where(ii[:, None] > ii[None, :], kk * pair, 0.0) * (beta * rk)[:, None] * rk[None, :]
         tl.store(Lh + rows[:, None] * sL + ii[None, :], L, mask=m[:, None])
-        Aqk = tl.dot(qx, tl.trans(kx), input_precision=PREC) * pair
-        tl.store(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :], Aqk.to(A_ptr.dtype.element_ty),
-                 mask=m[:, None])
-        decay_k = tl.exp(G)[:, None]
-        Gl = tl.sum(tl.where(ii == end - 1 - start, G, 0.0), axis=0)
-        kd = kx * tl.exp(Gl - G)[:, None]
+        Aqk = qk * pair * (rq * scale)[:, None] * rk[None, :]
+        tl.store(Ah + rows[:, None] * sL + ii[None, :], Aqk.to(A_ptr.dtype.element_ty), mask=m[:, None])
     tl.debug_barrier()  # the solve reads L back block by block
     _solve_unit_lower(Lh, start, end, sL, C, SUB)
     Tm = tl.load(Lh + rows[:, None] * sL + ii[None, :], mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
-    vx = tl.load(v_ptr + hv * stride_vh + rows[:, None] * stride_vt + cv[None, :],
-                 mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-    u = tl.dot(Tm, vx * beta[:, None], input_precision=PREC)
-    w = tl.dot(Tm, kx * beta[:, None] * decay_k, input_precision=PREC)
-    sd = u_ptr.dtype.element_ty
-    tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u.to(sd), mask=m[:, None])
-    tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], w.to(sd), mask=m[:, None])
-    # the keys as the state update reads them: k exp(G_last - G), zero past the end
-    tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], tl.where(m[:, None], kd, 0.0).to(sd),
-             mask=m[:, None])
+    for d0 in tl.static_range(0, BV, BD):
+        cv = d0 + tl.arange(0, BD)
+        vb = tl.load(v_ptr + hv * stride_vh + rows[:, None] * stride_vt + cv[None, :],
+                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
+        u = tl.dot(Tm, vb * beta[:, None], input_precision=PREC)
+        tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u.to(sd), mask=m[:, None])
+    for d0 in tl.static_range(0, BK, BD):
+        cd = d0 + tl.arange(0, BD)
+        if PER_CHANNEL:
+            dk = tl.exp(tl.load(Gh + rows[:, None] * sG + cd[None, :], mask=m[:, None], other=0.0))
+        else:
+            dk = tl.exp(G)[:, None]
+        kb = _rows(kh, rows, m, stride_kt, cd, K, False) * (rk * beta)[:, None] * dk
+        w = tl.dot(Tm, kb, input_precision=PREC)
+        tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :], w.to(sd), mask=m[:, None])
 
 
 @triton.jit
@@ -251,9 +327,9 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
 @triton.jit
 def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride_qt, stride_qh, stride_ot,
                   stride_oh, HV, REP, K, V, scale,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, BD: tl.constexpr,
                   PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
-    """Every chunk in parallel: o = (q exp(G)) S_chunk + Aqk v'."""
+    """Every chunk in parallel: o = (q exp(G)) S_chunk + Aqk v', the first product BD key columns at a time."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -265,21 +341,31 @@ def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride
     rows = start + tl.arange(0, C)
     m = rows < end
     ii = tl.arange(0, C)
-    ck = tl.arange(0, BK)
     cv = vb * BV + tl.arange(0, BV)
-    qx = _rows(q_ptr + hk * stride_qh, rows, m, stride_qt, ck, K, L2) * scale
-    if PER_CHANNEL:
-        G = tl.load(G_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
-        qd = qx * tl.exp(G)
-    else:
-        G = tl.load(G_ptr + hv * BK + rows * (HV * BK), mask=m, other=0.0)
-        qd = qx * tl.exp(G)[:, None]
-    h = tl.load(hc_ptr + (c * HV + hv).to(tl.int64) * BK * BVF + ck[:, None] * BVF + cv[None, :]).to(tl.float32)
+    qh = q_ptr + hk * stride_qh
     Aqk = tl.load(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :],
                   mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0).to(tl.float32)
     vn = tl.load(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], mask=m[:, None],
                  other=0.0).to(tl.float32)
-    o = tl.dot(qd, h, input_precision=PREC) + tl.dot(Aqk, vn, input_precision=PREC)
+    o = tl.dot(Aqk, vn, input_precision=PREC)
+    rq = tl.full([C], scale, tl.float32)
+    if L2:
+        sq = tl.zeros([C], dtype=tl.float32)
+        for d0 in tl.static_range(0, BK, BD):
+            qb = _rows(qh, rows, m, stride_qt, d0 + tl.arange(0, BD), K, False)
+            sq += tl.sum(qb * qb, axis=1)
+        rq = rq * tl.rsqrt(sq + 1e-6)
+    if not PER_CHANNEL:
+        rq = rq * tl.exp(tl.load(G_ptr + hv * BK + rows * (HV * BK), mask=m, other=0.0))
+    hbase = hc_ptr + (c * HV + hv).to(tl.int64) * BK * BVF
+    for d0 in tl.static_range(0, BK, BD):
+        cd = d0 + tl.arange(0, BD)
+        qd = _rows(qh, rows, m, stride_qt, cd, K, False) * rq[:, None]
+        if PER_CHANNEL:
+            qd = qd * tl.exp(tl.load(G_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :], mask=m[:, None],
+                                     other=0.0))
+        h = tl.load(hbase + cd[:, None] * BVF + cv[None, :]).to(tl.float32)
+        o += tl.dot(qd, h, input_precision=PREC)
     tl.store(o_ptr + hv * stride_oh + rows[:, None] * stride_ot + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=m[:, None] & (cv[None, :] < V))
 
@@ -386,8 +472,8 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
         qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls, kd,
         qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), HV, HV // HK, K, V, scale,
-        C=C, BK=BK, BV=BVF, SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel, L2=use_l2norm, PREC=prec,
-        num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
+        C=C, BK=BK, BV=BVF, BD=min(BK, BVF, cfg["BD"]), SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel,
+        L2=use_l2norm, PREC=prec, num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
     final = torch.empty(N, HV, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else final
     hc = torch.empty(slots, HV, BK, BVF, **scr)  # the state each chunk starts from
@@ -401,6 +487,7 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     of = o.view(total, HV, V)
     _chunk_output[(slots, HV, triton.cdiv(V, cfg["BV_OUT"]) if BVF > cfg["BV_OUT"] else 1)](
         qf, of, chunks, Gs, A, hc, vn, qf.stride(0), qf.stride(1), of.stride(0), of.stride(1), HV, HV // HK, K, V,
-        scale, C=C, BK=BK, BV=min(BVF, cfg["BV_OUT"]), BVF=BVF, PER_CHANNEL=per_channel, L2=use_l2norm, PREC=prec,
+        scale, C=C, BK=BK, BV=min(BVF, cfg["BV_OUT"]), BVF=BVF, BD=min(BK, cfg["BD"]), PER_CHANNEL=per_channel,
+        L2=use_l2norm, PREC=prec,
         num_warps=cfg["output_warps"], num_stages=cfg["stages"])
     return o, final
