@@ -81,13 +81,16 @@ def fla_call(fn, q, k, v, g, beta, state):
 
 
 def prefill_rows(lengths, fla, dev, save=lambda rows: None):
+    from passes.prepare import hub_function
     from hybrid_kernels.delta.triton_chunk import delta_rule_chunk_triton
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
     rows = []
     for name, s in SHAPES.items():
         hf_fn = chunk_kimi_delta_attention if s["per_channel"] else torch_chunk_gated_delta_rule
-        hf_fn = getattr(hf_fn, "__wrapped__", hf_fn)  # HF's torch path itself, not its dispatch to fla
+        # HF's torch path itself: its hub wrapper (transformers >= 5.25) or decorator dispatches to fla when installed
+        hf_fn = hub_function(hf_fn) or hf_fn
+        hf_fn = getattr(hf_fn, "__wrapped__", hf_fn)
         for T in lengths:
             row = dict(section="prefill", shape=name, T=T)
             try:
@@ -163,7 +166,7 @@ def decode_sweep(dev) -> list[dict]:
 
 #: launch-parameter variants the prefill sweep times, each over CONFIG["chunk"]'s defaults
 SWEEP = ({}, {"prepare_warps": 8}, {"output_warps": 8}, {"state_warps": 8}, {"BV": 16}, {"BV": 64, "state_warps": 8},
-         {"BKS": 8}, {"C": 32})
+         {"BKS": 8}, {"C": 32}, {"C_per_channel": 64})
 
 
 def prefill_sweep(dev, T: int = 4096, save=lambda rows: None) -> list[dict]:

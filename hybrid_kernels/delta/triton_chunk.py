@@ -424,11 +424,12 @@ _CHUNK_FITS: dict = {}
 def delta_rule_chunk_triton(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
                             use_l2norm: bool = True):
     """-> (o [B, T, HV, V] in v's dtype, final states [N, HV, K, V] fp32); semantics of reference.delta_rule_*.
-    Chunks of CONFIG's C tokens, or half that where a kernel's tiles overflow shared memory (the math is the same
-    at every chunk length)."""
+    Chunks of CONFIG's C tokens (C_per_channel with a decay per key channel), or half that where a kernel's tiles
+    overflow shared memory (the math is the same at every chunk length)."""
     key = (k.shape[-1], v.shape[-1], g.dim() == 4, v.dtype, v.device)
     cfg = CONFIG["chunk"]
-    sizes = [_CHUNK_FITS[key]] if key in _CHUNK_FITS else [c for c in (cfg["C"], cfg["C"] // 2, 16) if c >= 16]
+    C = cfg["C_per_channel"] if g.dim() == 4 else cfg["C"]
+    sizes = [_CHUNK_FITS[key]] if key in _CHUNK_FITS else [c for c in (C, C // 2, 16) if c >= 16]
     for i, C in enumerate(sizes):
         try:
             out = _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C)
