@@ -58,8 +58,7 @@ def _prefill_sizes(engine) -> list[int]:
 def test_fresh_prompts_prefill_together(name):
     """Prompts of different lengths arriving together prefill in one step, left-padded to the longest (gpt_oss:
     sliding windows and sinks over the padded rows; deepseek_v3: MLA), and a second call whose budget holds two rows
-    of its longest prompt splits them over steps; greedy tokens equal HF's either way. A model with SSM layers
-    prefills one prompt per step and says why."""
+    of its longest prompt splits them over steps; greedy tokens equal HF's either way."""
     prompts = [list(range(5, 5 + n)) for n in (7, 9, 12, 5, 10)]
     want = [hf_greedy(name, p, 4) for p in prompts]
     engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4)
@@ -73,13 +72,29 @@ def test_fresh_prompts_prefill_together(name):
     assert sizes == [2, 2, 1]  # 7 + 9 (2 x 9 padded), 12 + 5 (2 x 12), 10: a third row would pass 24 tokens
     torch._dynamo.reset()  # a later test of the same class records its own compiles
     if name == "llama":
-        ssm = Engine(zoo.build("bamba"), compile=None)
-        assert ssm.prefill_batch_note == "state layers: one prompt per prefill step"
-        sizes = _prefill_sizes(ssm)
-        ssm.generate(prompts[:3], SamplingParams(max_tokens=2))
-        assert sizes == [1, 1, 1]
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             Engine(zoo.build(name), max_num_batched_tokens=0)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "bamba", "jamba", "qwen3_next"])
+def test_state_layers_prefill_prompts_of_equal_length_together(name):
+    """With state layers (Mamba2 alone, beside attention, Mamba1 in Jamba, Gated DeltaNet) prompts of one length
+    prefill in one step, with no padding, each prompt's states stored in its own row; a prompt of another length
+    waits for the next step, and chunks of long prompts (all of one length) go together too. Greedy tokens equal
+    HF's."""
+    prompts = [list(range(5 + i, 12 + i)) for i in range(3)] + [list(range(30, 39)), list(range(40, 47))]
+    want = [hf_greedy(name, p, 4) for p in prompts]
+    engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4)
+    assert engine.prefill_batch_note == "state layers: prompts of equal length per prefill step"
+    sizes = _prefill_sizes(engine)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
+    assert sizes == [3, 1, 1]  # 7, 7, 7 | 9 | 7 (arrival order: the last 7 does not overtake the 9)
+    if engine.prefill_note is None:  # chunked prefill: first chunks of 4 together, then each continues alone
+        engine.scheduler.max_prefill_tokens = 4
+        sizes.clear()
+        assert [o.token_ids for o in engine.generate(prompts[:3], SamplingParams(max_tokens=4))] == want[:3]
+        assert sizes == [3, 1, 1, 1]
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v2", "mamba2", "bamba"])

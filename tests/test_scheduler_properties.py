@@ -20,11 +20,11 @@ class SchedulerMachine(RuleBasedStateMachine):
               batch_prefill):
         self.blocks = BlockAllocator(num_blocks, block_size) if kind != "ssm" else None
         self.slots = SlotAllocator(max_num_seqs) if kind != "attention" else None
-        # several prompts per prefill step: attention-only models (as the Engine decides)
+        # several prompts per prefill step, of equal length with state rows (as the Engine decides)
         self.sched = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked,
                                max_num_batched_tokens=batched_tokens,
-                               max_prefill_seqs=max_num_seqs if batch_prefill and kind == "attention" else 1)
+                               max_prefill_seqs=max_num_seqs if batch_prefill else 1, equal_lengths=kind != "attention")
         self.seqs: list[Sequence] = []
         self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
 
@@ -52,6 +52,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A step that raises (Engine.step): a prefill of several goes back to the queue to run one per step."""
         step = self.sched.schedule()
         if step is not None and step.kind == "prefill" and len(step.seqs) > 1:
+            self._move(step.moves)  # Engine._launch applies them before the launch that raises
             self.sched.retry_alone(step.seqs)
             assert all(s.status is Status.WAITING and not s.blocks for s in step.seqs)
             assert list(self.sched.waiting)[:len(step.seqs)] == step.seqs
@@ -77,16 +78,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             if seq.num_uncached == 1:
                 self.sched.reserve(seq, len(seq) + 1)
 
+    def _move(self, moves):
+        """State-row moves: the row's contents go along (None: a row no finished prefill wrote, such as the rows of
+        a failed prefill, freed again)."""
+        for src, dst in moves:
+            self.rows[dst] = self.rows.pop(src, None)
+
     def _run(self, step):
         """The runner's bookkeeping of a step: moves, the cache rows it writes, tokens, finishing at max_tokens."""
-        for src, dst in step.moves:
-            self.rows[dst] = self.rows.pop(src)
+        self._move(step.moves)
         if step.kind == "decode" and self.slots is not None:
             assert [s.state_slot for s in step.seqs] == list(range(len(step.seqs)))
         if step.kind == "prefill" and len(step.seqs) > 1:  # fresh prompts within the budget, padding at most half
             assert len(step.seqs) <= self.sched.max_prefill_seqs and not any(s.num_cached for s in step.seqs)
             padded = max(step.num_tokens) * len(step.seqs)
             assert padded <= self.sched.max_num_batched_tokens and padded <= 2 * sum(step.num_tokens)
+            if self.slots is not None:  # state rows: no padding, and the rows of prompts admitted together follow
+                assert len(set(step.num_tokens)) == 1
+                rows = [s.state_slot for s in step.seqs]
+                assert rows == list(range(rows[0], rows[0] + len(rows)))
         for seq, n in zip(step.seqs, step.num_tokens):
             assert seq.status is Status.RUNNING and n >= 1
             assert n == 1 if step.kind == "decode" else seq.num_uncached >= n

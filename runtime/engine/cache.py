@@ -244,6 +244,14 @@ class PagedAttentionLayer(CacheLayerMixin):
         return -1
 
 
+def state_rows(slots: list[int], device) -> "slice | torch.Tensor":
+    """The buffer rows of a prefill's sequences: a slice where they are consecutive (as the rows of prompts admitted
+    together are), else an index tensor on ``device``."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)
+
+
 class SlotStateLayer(LinearAttentionLayer):
     """HF's linear-attention layer, re-bound every step to the engine's state buffers (a conv state, a recurrent
     state, or both: a buffer is None where the layer keeps no such state)."""
@@ -293,11 +301,16 @@ class SlotStateLayer(LinearAttentionLayer):
         self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = False
         self.has_previous_state[0] = False
 
-    def store_prefill(self, row: int) -> None:
-        """Copy the fresh states HF created during a prefill into ``row`` of the buffers."""
+    def store_prefill(self, rows: "slice | torch.Tensor") -> None:
+        """Copy the fresh states HF created during a prefill (one per prompt of the step) into ``rows`` of the
+        buffers (``state_rows``)."""
         for buf, state in ((self.conv_buf, self.conv_states[0]), (self.ssm_buf, self.recurrent_states[0])):
-            if buf is not None:
-                buf[row].copy_(state[0])
+            if buf is None:
+                continue
+            if isinstance(rows, slice):
+                buf[rows].copy_(state)
+            else:
+                buf.index_copy_(0, rows, state.to(buf.dtype))
 
     def move_row(self, src: int, dst: int) -> None:
         for buf in self.buffers:

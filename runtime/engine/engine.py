@@ -178,15 +178,16 @@ class Engine:
         self.blocks = BlockAllocator(num_blocks, block_size) if has_attn else None
         self.slots = SlotAllocator(max_num_seqs) if has_ssm else None
         # several prompts per prefill step (left-padded rows) where every cached layer is attention read through the
-        # engine's mask; state layers (SSM, delta rule) and engine directories (programs of one prompt) take one
-        self.prefill_batch_note = ("state layers: one prompt per prefill step" if has_ssm else
-                                   "attention of the model's own: one prompt per prefill step" if own else
-                                   "engine directory: one prompt per prefill step" if plan is not None else None)
+        # engine's mask; with state layers (SSM, delta rule) only rows of equal length, since a recurrence would run
+        # over the padding; attention of the model's own and engine directories (programs of one prompt) take one
+        one = ("attention of the model's own: one prompt per prefill step" if own else
+               "engine directory: one prompt per prefill step" if plan is not None else None)
+        self.prefill_batch_note = one or ("state layers: prompts of equal length per prefill step" if has_ssm else None)
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, chunked_prefill=self.prefill_note is None,
                                    max_num_batched_tokens=max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS,
                                                                                         max_prefill_tokens),
-                                   max_prefill_seqs=max_num_seqs if self.prefill_batch_note is None else 1)
+                                   max_prefill_seqs=1 if one else max_num_seqs, equal_lengths=has_ssm)
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,
                                   compile_options)
         self._seqs: dict[int, Sequence] = {}
@@ -202,11 +203,11 @@ class Engine:
             self._probe(model)
 
     def _probe(self, model) -> None:
-        """Two short requests through the engine's own steps (a batched prefill of prompts of two lengths, then
-        decodes), the HF forward run eagerly: a model whose code cannot run over the engine's cache (masks it
+        """Three short requests through the engine's own steps (a batched prefill of prompts of two lengths, of
+        two prompts of one length with state layers, then decodes), the HF forward run eagerly: a model whose code cannot run over the engine's cache (masks it
         builds from its own shapes, inputs it slices by the cache length) is refused here in one line, instead of
         failing every request later. A batched prefill that fails where single prompts run makes every prefill
-        step take one prompt. Costs two eager forwards of a few tokens; no compile, no CUDA graph."""
+        step take one prompt. Costs a few eager forwards of a few tokens; no compile, no CUDA graph."""
         n = min(7, (self.max_model_len or 9) - 2)
         if n < 4:
             return
@@ -216,7 +217,7 @@ class Engine:
         self._probe_errors = []
         ids = [i % self.vocab_size for i in range(1, n + 1)]
         try:
-            outs = self.generate([ids[:3], ids], SamplingParams(max_tokens=2, ignore_eos=True))
+            outs = self.generate([ids[:3], ids, ids[1:] + ids[:1]], SamplingParams(max_tokens=2, ignore_eos=True))
         except ValueError as e:  # the probe's requests do not fit this engine (a cache of a few blocks): no probe
             log.debug("hybrid engine: no construction probe (%s)", e)
             return

@@ -24,7 +24,7 @@ from runtime.hf import cache_kwarg
 
 from . import attention
 from .allocator import BlockAllocator
-from .cache import PagedCache
+from .cache import PagedCache, state_rows
 from .sampler import sample
 from .scheduler import Step
 from .step_maps import device_step_maps, step_maps
@@ -178,10 +178,12 @@ class ModelRunner:
             assert ahead is None, "only decode steps run ahead"
             ids, positions, lengths, q_len = self._prefill_rows(step)
             pad, rows = 0, None
-            # a chunk after the first continues from the sequence's state row (SSM layers: one sequence per step)
+            # a chunk after the first continues from the sequence's state row (it runs alone)
             start = step.seqs[0].num_cached
             state_row = step.seqs[0].state_slot if start and self.cache.states else None
-            assert len(step.seqs) == 1 or not (self.cache.states or start), "only fresh attention prefills batch"
+            assert len(step.seqs) == 1 or not start, "only fresh prompts prefill together"
+            assert len(step.seqs) == 1 or not self.cache.states or len(set(step.num_tokens)) == 1, \
+                "with state layers only prompts of equal length prefill together"
         else:
             shift = 0 if ahead is None else 1
             pad = decode_bucket(n) - n if self.bucket_decode else 0
@@ -203,8 +205,9 @@ class ModelRunner:
             logits = self._forward(step.kind, q_len, width, batch, rows, inputs, state_row,
                                    fresh=step.kind == "prefill" and not any(s.num_cached for s in step.seqs))
         if step.kind == "prefill" and self.cache.states and state_row is None:
+            rows = state_rows([s.state_slot for s in step.seqs], self.device)
             for layer in self.cache.states:
-                layer.store_prefill(step.seqs[0].state_slot)
+                layer.store_prefill(rows)
         for seq, k in zip(step.seqs, step.num_tokens):
             seq.num_cached += k
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]

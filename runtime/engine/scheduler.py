@@ -4,7 +4,9 @@ Each step is either a prefill or a decode of every running sequence (one token e
 waiting sequences, in arrival order, as many as fit in one step: each feeds its uncached tokens (its first
 chunk when long and the model allows chunking), the rows padded to the longest, and the step's padded tokens
 stay within ``max_num_batched_tokens`` (the first row always goes; a row that would make padding more than
-half of the step waits for the next; one whose batched prefill failed prefills alone). A sequence whose
+half of the step waits for the next; one whose batched prefill failed prefills alone). With ``equal_lengths``
+(models with state layers, whose recurrence would run over padding) the rows of one step all feed the same
+number of tokens: a prompt of another length waits for the next step. A sequence whose
 prompt is only partly prefilled gets the next prefill step to itself (its chunk continues from its cache). Requests join between steps and leave
 when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
 its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
@@ -33,13 +35,15 @@ class Step:
 class Scheduler:
     def __init__(self, blocks: BlockAllocator | None, slots: SlotAllocator | None, *, max_num_seqs: int,
                  max_prefill_tokens: int, chunked_prefill: bool, max_num_batched_tokens: int | None = None,
-                 max_prefill_seqs: int = 1):
+                 max_prefill_seqs: int = 1, equal_lengths: bool = False):
         self.blocks, self.slots = blocks, slots
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         #: padded tokens of a prefill step of several sequences; sequences per prefill step (1: one at a time)
         self.max_num_batched_tokens = max_num_batched_tokens or max_prefill_tokens
         self.max_prefill_seqs = max_prefill_seqs
+        #: the rows of a prefill step of several sequences feed the same number of tokens (no padding)
+        self.equal_lengths = equal_lengths
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -97,7 +101,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or len(seqs) >= self.max_prefill_seqs:
                 break
             n = self._chunk(seq)
-            if seqs and seq.request_id in self.alone:
+            if seqs and (seq.request_id in self.alone or (self.equal_lengths and n != counts[0])):
                 break
             if seqs:
                 padded = max(max(counts), n) * (len(seqs) + 1)
