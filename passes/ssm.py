@@ -77,7 +77,7 @@ class FuseSSM(RegionPass):
         main = main[0]
         fresh = [o for o in tensor_outputs if o is not main]
         spec, live = mixer_spec(m, mamba2)
-        self._check_probe(m, spec, live)
+        self._check_probe(m, spec, live, masked=mask is not None)
         weights = self._nodes(ctx, live)
         kernel = m.conv1d.weight.shape[-1]
 
@@ -153,20 +153,28 @@ class FuseSSM(RegionPass):
         return type(weights)(*(node(name, t) for name, t in zip(weights._fields, weights)))
 
     @staticmethod
-    def _check_probe(m, spec, weights) -> None:
-        """The live mixer (no cache) on a probe batch must equal the op: proves the math, not the cache."""
+    def _check_probe(m, spec, weights, masked: bool = False) -> None:
+        """The live mixer (no cache) on a probe batch must equal the op: proves the math, not the cache. ``masked``
+        (the graph hands the mixer HF's 2-D padding mask): the same with a left-padded row, compared at its tokens."""
         w = m.in_proj.weight
         g = torch.Generator(device="cpu").manual_seed(77)
         x = torch.randn(2, 7, w.shape[1], generator=g).to(w.device, w.dtype)
+        mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7], device=w.device) if masked else None
         op = torch.ops.hybrid.mamba2_mixer if isinstance(spec, Mamba2Spec) else torch.ops.hybrid.mamba_mixer
         with eager_probe():
-            expected = m(x)
+            try:
+                expected = m(x, attention_mask=mask) if masked else m(x)
+            except TypeError as e:
+                raise Skip(f"the mixer takes no attention_mask keyword to probe the padded case with ({e})") from e
             expected = expected[0] if isinstance(expected, tuple) else expected
-            got = op(*spec.prefill_args(x, None, weights, m.conv1d.weight.shape[-1]))[0]
+            got = op(*spec.prefill_args(x, mask, weights, m.conv1d.weight.shape[-1]))[0]
+        if masked:
+            keep = mask.bool()
+            got, expected = got[keep], expected[keep]
         ok, msg = close(got, expected, w.dtype, tol=1e-4 if w.dtype == torch.float32 else 3e-2)
         if not ok:
             raise Skip(f"mixer math differs from hybrid's {'mamba2' if isinstance(spec, Mamba2Spec) else 'mamba'} "
-                       f"mixer: {msg}")
+                       f"mixer{' under a padding mask' if masked else ''}: {msg}")
 
 
 def _eps(norm) -> float:

@@ -77,16 +77,21 @@ def test_fresh_prompts_prefill_together(name):
 
 
 @pytest.mark.parametrize("name", ["mamba2", "bamba", "jamba", "qwen3_next"])
-def test_state_layers_prefill_prompts_of_equal_length_together(name):
-    """With state layers (Mamba2 alone, beside attention, Mamba1 in Jamba, Gated DeltaNet) prompts of one length
-    prefill in one step, with no padding, each prompt's states stored in its own row; a prompt of another length
-    waits for the next step, and chunks of long prompts (all of one length) go together too. Greedy tokens equal
-    HF's."""
+def test_state_layers_prefill_prompts_together(name):
+    """With state layers (Mamba2 alone, beside attention, Mamba1 in Jamba, Gated DeltaNet) prompts of several
+    lengths prefill in one step, left-padded, the state layers given HF's 2-D padding mask, once the construction
+    probe has shown that the padding leaves their states exact; each prompt's states go to its own row. Compiled
+    (hybrid's mixer ops under the mask), greedy tokens equal HF's for each prompt alone. Without padding (where the
+    probe finds it inexact) prompts of one length still share a step, and so do the first chunks of long prompts."""
     prompts = [list(range(5 + i, 12 + i)) for i in range(3)] + [list(range(30, 39)), list(range(40, 47))]
     want = [hf_greedy(name, p, 4) for p in prompts]
     engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4)
-    assert engine.prefill_batch_note == "state layers: prompts of equal length per prefill step"
+    assert engine.prefill_batch_note is None and engine.runner.pad_states
     sizes = _prefill_sizes(engine)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
+    assert sizes == [5]
+    engine.runner.pad_states, engine.scheduler.equal_lengths = False, True
+    sizes.clear()
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
     assert sizes == [3, 1, 1]  # 7, 7, 7 | 9 | 7 (arrival order: the last 7 does not overtake the 9)
     if engine.prefill_note is None:  # chunked prefill: first chunks of 4 together, then each continues alone
@@ -95,6 +100,22 @@ def test_state_layers_prefill_prompts_of_equal_length_together(name):
         assert [o.token_ids for o in engine.generate(prompts[:3], SamplingParams(max_tokens=4))] == want[:3]
         assert sizes == [3, 1, 1, 1]
     torch._dynamo.reset()
+
+
+def test_padding_that_moves_the_states_is_refused():
+    """A Mamba2 whose in projection has a bias: a left-padded row's conv sees the bias where HF's mask zeroes the
+    input, so its states differ from the prompt's alone. The construction probe finds it, says so in
+    prefill_batch_note, and the engine batches only prompts of one length; tokens equal HF's."""
+    model = zoo.build("mamba2", use_bias=True)
+    engine = Engine(model, compile=None)
+    assert not engine.runner.pad_states and engine.scheduler.equal_lengths
+    assert engine.prefill_batch_note.startswith("state layers: prompts of equal length per prefill step (a padded "
+                                                "prefill moved a state layer's states: relative error")
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3))] == want
 
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v2", "mamba2", "bamba"])

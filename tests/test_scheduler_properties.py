@@ -15,16 +15,19 @@ from runtime.engine.sequence import SamplingParams, Sequence, Status
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 14), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 4),
                 max_prefill_tokens=st.integers(1, 6), kind=st.sampled_from(["attention", "ssm", "hybrid"]),
-                chunked=st.booleans(), batched_tokens=st.integers(1, 16), batch_prefill=st.booleans())
+                chunked=st.booleans(), batched_tokens=st.integers(1, 16), batch_prefill=st.booleans(),
+                pad_states=st.booleans())
     def setup(self, num_blocks, block_size, max_num_seqs, max_prefill_tokens, kind, chunked, batched_tokens,
-              batch_prefill):
+              batch_prefill, pad_states):
         self.blocks = BlockAllocator(num_blocks, block_size) if kind != "ssm" else None
         self.slots = SlotAllocator(max_num_seqs) if kind != "attention" else None
-        # several prompts per prefill step, of equal length with state rows (as the Engine decides)
+        # several prompts per prefill step; with state rows of equal length unless padding is exact (the Engine's
+        # construction probe decides)
         self.sched = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked,
                                max_num_batched_tokens=batched_tokens,
-                               max_prefill_seqs=max_num_seqs if batch_prefill else 1, equal_lengths=kind != "attention")
+                               max_prefill_seqs=max_num_seqs if batch_prefill else 1,
+                               equal_lengths=kind != "attention" and not pad_states)
         self.seqs: list[Sequence] = []
         self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
 
@@ -93,8 +96,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(step.seqs) <= self.sched.max_prefill_seqs and not any(s.num_cached for s in step.seqs)
             padded = max(step.num_tokens) * len(step.seqs)
             assert padded <= self.sched.max_num_batched_tokens and padded <= 2 * sum(step.num_tokens)
-            if self.slots is not None:  # state rows: no padding, and the rows of prompts admitted together follow
-                assert len(set(step.num_tokens)) == 1
+            if self.slots is not None:  # the rows of prompts admitted together follow each other
+                assert len(set(step.num_tokens)) == 1 or not self.sched.equal_lengths
                 rows = [s.state_slot for s in step.seqs]
                 assert rows == list(range(rows[0], rows[0] + len(rows)))
         for seq, n in zip(step.seqs, step.num_tokens):

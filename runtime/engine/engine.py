@@ -203,11 +203,13 @@ class Engine:
             self._probe(model)
 
     def _probe(self, model) -> None:
-        """Three short requests through the engine's own steps (a batched prefill of prompts of two lengths, of
-        two prompts of one length with state layers, then decodes), the HF forward run eagerly: a model whose code cannot run over the engine's cache (masks it
-        builds from its own shapes, inputs it slices by the cache length) is refused here in one line, instead of
-        failing every request later. A batched prefill that fails where single prompts run makes every prefill
-        step take one prompt. Costs a few eager forwards of a few tokens; no compile, no CUDA graph."""
+        """Short requests through the engine's own steps (a batched prefill of prompts of two lengths, of two
+        prompts of one length with state layers, then decodes), the HF forward run eagerly: a model whose code
+        cannot run over the engine's cache (masks it builds from its own shapes, inputs it slices by the cache
+        length) is refused here in one line, instead of failing every request later. A batched prefill that fails
+        where single prompts run makes every prefill step take one prompt. With state layers, ``_padding_probe``
+        decides whether prompts of several lengths may share a prefill step. Costs a few eager forwards of a few
+        tokens; no compile, no CUDA graph."""
         n = min(7, (self.max_model_len or 9) - 2)
         if n < 4:
             return
@@ -216,8 +218,11 @@ class Engine:
         runner.forward, runner.graphs_enabled = model.forward, False
         self._probe_errors = []
         ids = [i % self.vocab_size for i in range(1, n + 1)]
+        padding = None
         try:
             outs = self.generate([ids[:3], ids, ids[1:] + ids[:1]], SamplingParams(max_tokens=2, ignore_eos=True))
+            if runner.can_pad_states and self.scheduler.max_prefill_seqs > 1 and not self._probe_errors:
+                padding = self._padding_probe(ids)
         except ValueError as e:  # the probe's requests do not fit this engine (a cache of a few blocks): no probe
             log.debug("hybrid engine: no construction probe (%s)", e)
             return
@@ -234,6 +239,36 @@ class Engine:
             self.prefill_batch_note = f"one prompt per prefill step (a batched prefill failed: {_where(errors[0])})"
             self.scheduler.max_prefill_seqs = 1
             log.warning("hybrid engine: %s", self.prefill_batch_note)
+        elif padding == "":
+            runner.pad_states, self.scheduler.equal_lengths, self.prefill_batch_note = True, False, None
+        elif padding:
+            self.prefill_batch_note = f"state layers: prompts of equal length per prefill step ({padding})"
+            log.info("hybrid engine: %s", self.prefill_batch_note)
+
+    def _padding_probe(self, ids: list[int]) -> str:
+        """Whether left padding leaves the state layers exact: a 3-token prompt prefilled left-padded beside a longer
+        one, the state layers given HF's 2-D padding mask (``ModelRunner.pad_states``), against the same prompt
+        alone. '' when every state row (conv and recurrent) agrees within the dtype's rounding, else the reason
+        (a model that runs its recurrence over the padding, a projection bias the mask does not cancel)."""
+        runner, sched, errors = self.runner, self.scheduler, self._probe_errors
+        short, params, before = ids[:3], SamplingParams(max_tokens=1, ignore_eos=True), len(errors)
+        runner.pad_states, sched.equal_lengths = True, False
+        try:
+            self.generate([short, ids], params)  # one step: rows 0 (padded) and 1
+        finally:
+            runner.pad_states, sched.equal_lengths = False, True
+        if len(errors) > before:
+            reason = f"a padded prefill failed: {_where(errors[-1])}"
+            del errors[before:]
+            return reason
+        padded = [b for layer in self.cache.states for b in layer.snapshot(1)]
+        self.generate([short], params)
+        alone = [b for layer in self.cache.states for b in layer.snapshot(1)]
+        for i, (a, b) in enumerate(zip(padded, alone)):
+            err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+            if err > (1e-4 if b.dtype == torch.float32 else 3e-2):
+                return f"a padded prefill moved a state layer's states: relative error {err:.1e} in state buffer {i}"
+        return ""
 
     # -- construction ---------------------------------------------------------------------------------
     def _shard(self, model, tensor_parallel: int, expert_parallel: bool, expert_placement) -> None:

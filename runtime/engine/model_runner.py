@@ -77,6 +77,11 @@ class ModelRunner:
         # the step's cache maps: a dozen small integer ops, one Triton kernel on the GPU (step_maps.py)
         self._maps = device_step_maps() if self.device.type == "cuda" else step_maps
         self.mask_keys = self._mask_keys(model.config.get_text_config())
+        #: prefills of several prompts of several lengths on a model with state layers: left-padded rows, the state
+        #: layers given HF's 2-D padding mask (set by the engine once a probe shows the padding leaves the states
+        #: exact); only where the state layers can get a mask of their own (no attention, or masks per layer type)
+        self.pad_states = False
+        self.can_pad_states = bool(self.cache.states) and (not self.cache.attention or self.mask_keys is not None)
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs (CUDA)
         self._copied: torch.cuda.Event | None = None
         self.graphs_enabled = compile == "hybrid-cudagraphs" and self.device.type == "cuda"
@@ -182,8 +187,8 @@ class ModelRunner:
             start = step.seqs[0].num_cached
             state_row = step.seqs[0].state_slot if start and self.cache.states else None
             assert len(step.seqs) == 1 or not start, "only fresh prompts prefill together"
-            assert len(step.seqs) == 1 or not self.cache.states or len(set(step.num_tokens)) == 1, \
-                "with state layers only prompts of equal length prefill together"
+            assert len(step.seqs) == 1 or not self.cache.states or self.pad_states or len(set(step.num_tokens)) == 1, \
+                "with state layers only prompts of equal length prefill together (pad_states is off)"
         else:
             shift = 0 if ahead is None else 1
             pad = decode_bucket(n) - n if self.bucket_decode else 0
@@ -203,7 +208,9 @@ class ModelRunner:
             inputs = self._upload(self._host_inputs(step, width, lengths, pad, ids, positions),
                                   None if ahead is None else ahead.tokens)
             logits = self._forward(step.kind, q_len, width, batch, rows, inputs, state_row,
-                                   fresh=step.kind == "prefill" and not any(s.num_cached for s in step.seqs))
+                                   fresh=step.kind == "prefill" and not any(s.num_cached for s in step.seqs),
+                                   padded=step.kind == "prefill" and bool(self.cache.states)
+                                   and len(set(step.num_tokens)) > 1)
         if step.kind == "prefill" and self.cache.states and state_row is None:
             rows = state_rows([s.state_slot for s in step.seqs], self.device)
             for layer in self.cache.states:
@@ -284,16 +291,22 @@ class ModelRunner:
         return [next(it) if d else None for d in pending.done]
 
     def _forward(self, kind: str, q_len: int, width: int, batch: int, rows: int | None,
-                 inputs: list[torch.Tensor], state_row: int | None = None, fresh: bool = False) -> torch.Tensor:
+                 inputs: list[torch.Tensor], state_row: int | None = None, fresh: bool = False,
+                 padded: bool = False) -> torch.Tensor:
         """Bind the step's cache maps and run the model: all a recorded decode graph contains. ``state_row``: a
-        prefill chunk continuing from that SSM state row; ``fresh``: a prefill of prompts with nothing cached."""
+        prefill chunk continuing from that SSM state row; ``fresh``: a prefill of prompts with nothing cached;
+        ``padded``: a prefill of rows of several lengths on a model with state layers (``pad_states``)."""
+        positions = inputs[1].view(batch, q_len)
         if self.cache.attention:
             mask, extra = self._bind(kind, q_len, width, inputs[2].view(batch, -1), inputs[3], rows, state_row,
                                      fresh)
         else:
             mask, extra = None, {}
             self.cache.bind(None, None, rows, state_row=state_row)
-        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": inputs[1].view(batch, q_len), **extra}
+        if padded:  # the state layers' mask (HF's 2-D one): a recurrence over the padding must not move the states
+            rec = padding_mask(positions)
+            mask = rec if mask is None else {t: (m if self.mask_keys[t] else rec) for t, m in mask.items()}
+        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions, **extra}
         if mask is not None:
             kwargs["attention_mask"] = mask
         if self.keep_last:
@@ -411,6 +424,15 @@ class ModelRunner:
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra
+
+
+def padding_mask(positions: torch.Tensor) -> torch.Tensor:
+    """HF's 2-D attention mask (1 = token, 0 = padding) of a prefill of fresh prompts left-padded to one length,
+    from its positions: a row's last query sits at position k - 1 of its k tokens, so its first k - 1 - p columns
+    are padding."""
+    q_len = positions.shape[1]
+    cols = torch.arange(q_len, device=positions.device)[None, :]
+    return (cols >= q_len - 1 - positions[:, -1:]).long()
 
 
 def record(graph, pool, body):

@@ -5,8 +5,8 @@ waiting sequences, in arrival order, as many as fit in one step: each feeds its 
 chunk when long and the model allows chunking), the rows padded to the longest, and the step's padded tokens
 stay within ``max_num_batched_tokens`` (the first row always goes; a row that would make padding more than
 half of the step waits for the next; one whose batched prefill failed prefills alone). With ``equal_lengths``
-(models with state layers, whose recurrence would run over padding) the rows of one step all feed the same
-number of tokens: a prompt of another length waits for the next step. A sequence whose
+(models with state layers where padding would move the states: the engine's construction probe decides) the rows
+of one step all feed the same number of tokens: a prompt of another length waits for the next step. A sequence whose
 prompt is only partly prefilled gets the next prefill step to itself (its chunk continues from its cache). Requests join between steps and leave
 when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
 its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
