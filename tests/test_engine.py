@@ -82,7 +82,8 @@ def test_state_layers_prefill_prompts_together(name):
     lengths prefill in one step, left-padded, the state layers given HF's 2-D padding mask, once the construction
     probe has shown that the padding leaves their states exact; each prompt's states go to its own row. Compiled
     (hybrid's mixer ops under the mask), greedy tokens equal HF's for each prompt alone. Without padding (where the
-    probe finds it inexact) prompts of one length still share a step, and so do the first chunks of long prompts."""
+    probe finds it inexact) prompts of one length still share a step, and so do the chunks of long prompts at one
+    point of their prompts (the later ones continuing from the rows' states)."""
     prompts = [list(range(5 + i, 12 + i)) for i in range(3)] + [list(range(30, 39)), list(range(40, 47))]
     want = [hf_greedy(name, p, 4) for p in prompts]
     engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4)
@@ -94,12 +95,44 @@ def test_state_layers_prefill_prompts_together(name):
     sizes.clear()
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=4))] == want
     assert sizes == [3, 1, 1]  # 7, 7, 7 | 9 | 7 (arrival order: the last 7 does not overtake the 9)
-    if engine.prefill_note is None:  # chunked prefill: first chunks of 4 together, then each continues alone
+    if engine.prefill_note is None:  # chunked prefill: first chunks of 4 together, then the rest of each together
         engine.scheduler.max_prefill_tokens = 4
         sizes.clear()
         assert [o.token_ids for o in engine.generate(prompts[:3], SamplingParams(max_tokens=4))] == want[:3]
-        assert sizes == [3, 1, 1, 1]
+        assert sizes == [3, 3]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gpt_oss", "bamba", "qwen3_next"])
+def test_chunks_that_continue_prompts_share_steps(name):
+    """Long prompts in chunks of 4: those at the same point of their prompts with chunks of one length continue
+    together (attention over their cached keys, MLA, sliding windows and sinks, state rows continuing), one of
+    another length alone; greedy tokens equal HF's."""
+    prompts = [list(range(5 + i, 18 + i)) for i in range(3)] + [list(range(40, 50))]
+    want = [hf_greedy(name, p, 3) for p in prompts]
+    engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4, max_prefill_tokens=4)
+    sizes = _prefill_sizes(engine)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3))] == want
+    # 13, 13, 13 and 10 tokens: chunks of 4 (all four), 4 (all four, each continuing from 4 cached), then 4 x 3 and
+    # the 10's last 2 alone; a prompt's last token goes with the decode steps. (Where the engine does not chunk the
+    # model's state layers, Engine.prefill_note, the whole prompts go in one padded step.)
+    assert sizes == ([4, 4, 3, 1] if engine.prefill_note is None else [4]), (sizes, engine.prefill_note)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["mamba2", "bamba"])
+def test_state_rows_gathered_where_not_consecutive(name, monkeypatch):
+    """State rows of a prefill bound as gathered copies and stored back (the path of rows that are not consecutive,
+    after a finished sequence's row was filled by a move): forced for every step here, tokens still equal HF's, with
+    fresh and continuing chunks."""
+    from runtime.engine import model_runner
+    monkeypatch.setattr(model_runner, "state_rows", lambda slots, device: torch.tensor(slots, device=device))
+    prompts = [list(range(5 + i, 16 + i)) for i in range(3)]
+    want = [hf_greedy(name, p, 3) for p in prompts]
+    engine = Engine(zoo.build(name), compile=None, block_size=4, max_prefill_tokens=4)
+    sizes = _prefill_sizes(engine)
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3))] == want
+    assert sizes == [3, 3, 3]
 
 
 def test_padding_that_moves_the_states_is_refused():

@@ -284,9 +284,14 @@ class SlotStateLayer(LinearAttentionLayer):
             self._views[n] = views
         self._bind_states(*self._views[n])
 
-    def bind_continue(self, row: int) -> None:
-        """A prefill chunk after the first: HF continues from row ``row``'s states and updates them in place."""
-        self._bind_states(*self._rows(row, row + 1))
+    def bind_continue(self, rows: "slice | torch.Tensor") -> None:
+        """Prefill chunks after the first (``state_rows``): HF continues from those rows' states. Consecutive rows
+        are bound as views, which HF updates in place; others as gathered copies, stored back after the step
+        (``store_prefill``)."""
+        if isinstance(rows, slice):
+            self._bind_states(*self._rows(rows.start, rows.stop))
+        else:
+            self._bind_states(*(None if b is None else b.index_select(0, rows) for b in (self.conv_buf, self.ssm_buf)))
 
     def _bind_states(self, conv: torch.Tensor | None, ssm: torch.Tensor | None) -> None:
         self.conv_states[0], self.recurrent_states[0] = conv, ssm
@@ -372,9 +377,10 @@ class PagedCache(Cache):
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
              paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-             state_row: int | None = None, fresh: bool = False) -> None:
+             state_row: "slice | torch.Tensor | None" = None, fresh: bool = False) -> None:
         """``decode_rows``: a decode step over state rows 0..n-1; else a prefill, fresh (``state_row`` None) or
-        continuing from row ``state_row``'s states. ``fresh``: a prefill whose prompts have nothing cached."""
+        continuing from the states of rows ``state_row`` (``state_rows``). ``fresh``: a prefill whose prompts have
+        nothing cached."""
         for layer in self.attention:
             layer.write_slots, layer.gather_idx, layer.paged, layer.fresh = write_slots, gather_idx, paged, fresh
             layer.block_table, layer.seq_lens = block_table, seq_lens

@@ -183,10 +183,12 @@ class ModelRunner:
             assert ahead is None, "only decode steps run ahead"
             ids, positions, lengths, q_len = self._prefill_rows(step)
             pad, rows = 0, None
-            # a chunk after the first continues from the sequence's state row (it runs alone)
+            # chunks after the first continue from their sequences' state rows (all at one point, unpadded)
             start = step.seqs[0].num_cached
-            state_row = step.seqs[0].state_slot if start and self.cache.states else None
-            assert len(step.seqs) == 1 or not start, "only fresh prompts prefill together"
+            srows = state_rows([s.state_slot for s in step.seqs], self.device) if self.cache.states else None
+            state_row = srows if start else None
+            assert not start or (all(s.num_cached == start for s in step.seqs) and len(set(step.num_tokens)) == 1), \
+                "chunks that continue prompts share a step only at one point of their prompts, with one length"
             assert len(step.seqs) == 1 or not self.cache.states or self.pad_states or len(set(step.num_tokens)) == 1, \
                 "with state layers only prompts of equal length prefill together (pad_states is off)"
         else:
@@ -211,10 +213,9 @@ class ModelRunner:
                                    fresh=step.kind == "prefill" and not any(s.num_cached for s in step.seqs),
                                    padded=step.kind == "prefill" and bool(self.cache.states)
                                    and len(set(step.num_tokens)) > 1)
-        if step.kind == "prefill" and self.cache.states and state_row is None:
-            rows = state_rows([s.state_slot for s in step.seqs], self.device)
-            for layer in self.cache.states:
-                layer.store_prefill(rows)
+        if step.kind == "prefill" and self.cache.states and not isinstance(state_row, slice):
+            for layer in self.cache.states:  # fresh states, or gathered ones (bind_continue)
+                layer.store_prefill(srows)
         for seq, k in zip(step.seqs, step.num_tokens):
             seq.num_cached += k
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
@@ -291,10 +292,10 @@ class ModelRunner:
         return [next(it) if d else None for d in pending.done]
 
     def _forward(self, kind: str, q_len: int, width: int, batch: int, rows: int | None,
-                 inputs: list[torch.Tensor], state_row: int | None = None, fresh: bool = False,
+                 inputs: list[torch.Tensor], state_row: "slice | torch.Tensor | None" = None, fresh: bool = False,
                  padded: bool = False) -> torch.Tensor:
-        """Bind the step's cache maps and run the model: all a recorded decode graph contains. ``state_row``: a
-        prefill chunk continuing from that SSM state row; ``fresh``: a prefill of prompts with nothing cached;
+        """Bind the step's cache maps and run the model: all a recorded decode graph contains. ``state_row``:
+        prefill chunks continuing from those state rows (``state_rows``); ``fresh``: a prefill of prompts with nothing cached;
         ``padded``: a prefill of rows of several lengths on a model with state layers (``pad_states``)."""
         positions = inputs[1].view(batch, q_len)
         if self.cache.attention:
@@ -400,7 +401,7 @@ class ModelRunner:
         return table, [width - n for n in lengths] + [width - 1] * pad_rows
 
     def _bind(self, kind: str, q_len: int, width: int, table: torch.Tensor, pads: torch.Tensor, rows: int | None,
-              state_row: int | None = None, fresh: bool = False):
+              state_row: "slice | torch.Tensor | None" = None, fresh: bool = False):
         """Bind the step's cache maps, built on the device from the block table; returns the attention mask
         and extra forward kwargs (the paged-attention maps of a paged decode step)."""
         paged = self.paged_decode and kind == "decode"

@@ -6,12 +6,13 @@ chunk when long and the model allows chunking), the rows padded to the longest, 
 stay within ``max_num_batched_tokens`` (the first row always goes; a row that would make padding more than
 half of the step waits for the next; one whose batched prefill failed prefills alone). With ``equal_lengths``
 (models with state layers where padding would move the states: the engine's construction probe decides) the rows
-of one step all feed the same number of tokens: a prompt of another length waits for the next step. A sequence whose
-prompt is only partly prefilled gets the next prefill step to itself (its chunk continues from its cache). Requests join between steps and leave
-when they finish. When the paged cache is full, the most recently admitted running sequence is preempted:
-its blocks and state row are freed and it is recomputed later from its tokens (prompt + what it generated),
-so nothing is lost and no sequence ever writes into another's cache. A request ends (``finish``) when it
-stops, is aborted or fails; whatever it holds is free at once.
+of one step all feed the same number of tokens: a prompt of another length waits for the next step. Chunks that
+continue prompts under way go first, each from what its cache holds: those at the same point of their prompts with
+chunks of one length share a step, unpadded. Requests join between steps and leave when they finish. When the
+paged cache is full, the most recently admitted running sequence is preempted: its blocks and state row are freed
+and it is recomputed later from its tokens (prompt + what it generated), so nothing is lost and no sequence ever
+writes into another's cache. A request ends (``finish``) when it stops, is aborted or fails; whatever it holds is
+free at once.
 """
 from __future__ import annotations
 
@@ -92,10 +93,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Step | None:
         partial = [s for s in self.running if s.num_uncached > 1]
-        if partial:  # a prompt's next chunk, alone: it continues from what its cache holds
-            seq = partial[0]
-            n = self._chunk(seq)
-            return Step("prefill", [seq], [n]) if self._reserve(seq, self._prefill_upto(seq)) else None
+        if partial:
+            return self._schedule_continue(partial)
         seqs, counts = [], []
         for seq in list(self.waiting):  # arrival order: a request never overtakes an earlier one
             if len(self.running) >= self.max_num_seqs or len(seqs) >= self.max_prefill_seqs:
@@ -115,12 +114,37 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             if seq.request_id in self.alone:
-                self.alone.discard(seq.request_id)
+                if n == seq.num_uncached:  # else it stays alone for the chunks that continue its prompt
+                    self.alone.discard(seq.request_id)
                 break
         if not seqs:
             return None
         self._sort_running()
         return Step("prefill", seqs, counts)
+
+    def _schedule_continue(self, partial: list[Sequence]) -> Step | None:
+        """The next chunks of prompts under way, each continuing from what its cache holds: the first, and with it
+        those at the same point of their prompts (as many tokens cached) whose chunks have its length, within the
+        step's budget: rows of one layout, no padding (a state layer's recurrence would run over padding from a
+        state that is not zero)."""
+        first = partial[0]
+        n = self._chunk(first)
+        if not self._reserve(first, self._prefill_upto(first)):
+            return None
+        group = [first]
+        if first.request_id in self.alone:
+            if n == first.num_uncached:
+                self.alone.discard(first.request_id)
+            return Step("prefill", group, [n])
+        for seq in partial[1:]:
+            if len(group) >= self.max_prefill_seqs or n * (len(group) + 1) > self.max_num_batched_tokens:
+                break
+            if seq.request_id in self.alone or seq.num_cached != first.num_cached or self._chunk(seq) != n:
+                continue
+            if not self._reserve(seq, self._prefill_upto(seq)):
+                break
+            group.append(seq)
+        return Step("prefill", group, [n] * len(group))
 
     def _schedule_decode(self) -> Step | None:
         batch = [s for s in self.running if s.num_uncached == 1]
