@@ -92,11 +92,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._move(step.moves)
         if step.kind == "decode" and self.slots is not None:
             assert [s.state_slot for s in step.seqs] == list(range(len(step.seqs)))
-        if step.kind == "prefill" and len(step.seqs) > 1:  # fresh prompts within the budget, padding at most half
-            assert len(step.seqs) <= self.sched.max_prefill_seqs and not any(s.num_cached for s in step.seqs)
+        if step.kind == "prefill" and len(step.seqs) > 1:  # within the budget, padding at most half
+            assert len(step.seqs) <= self.sched.max_prefill_seqs
             padded = max(step.num_tokens) * len(step.seqs)
             assert padded <= self.sched.max_num_batched_tokens and padded <= 2 * sum(step.num_tokens)
-            if self.slots is not None:  # the rows of prompts admitted together follow each other
+            cached = {s.num_cached for s in step.seqs}
+            if cached != {0}:  # chunks continuing prompts: all at one point, of one length, unpadded
+                assert len(cached) == 1 and len(set(step.num_tokens)) == 1
+            elif self.slots is not None:  # the rows of prompts admitted together follow each other
                 assert len(set(step.num_tokens)) == 1 or not self.sched.equal_lengths
                 rows = [s.state_slot for s in step.seqs]
                 assert rows == list(range(rows[0], rows[0] + len(rows)))

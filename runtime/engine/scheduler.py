@@ -129,8 +129,13 @@ class Scheduler:
         state that is not zero)."""
         first = partial[0]
         n = self._chunk(first)
-        if not self._reserve(first, self._prefill_upto(first)):
-            return None
+        while not self._reserve(first, self._prefill_upto(first)):
+            # the cache is full: the most recently admitted sequence is preempted, as a decode step does (prompts
+            # under way could otherwise each hold the blocks another needs); when that is ``first``, decodes go next
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is first:
+                return None
         group = [first]
         if first.request_id in self.alone:
             if n == first.num_uncached:
