@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=_int_at_least(0), default=8000)
     sv.add_argument("--served-model-name", help="the model name clients give (default: MODEL as given)")
-    sv.add_argument("--max-num-seqs", type=_int_at_least(1), default=32, help="requests decoded together")
+    sv.add_argument("--max-num-seqs", type=_int_at_least(1), default=None,
+                    help="requests decoded together (default 32, or an engine directory's --max-batch where lower)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="the HTTP server's log (info: one line per request)")
     sv.set_defaults(fn=cmd_serve)

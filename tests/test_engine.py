@@ -103,20 +103,19 @@ def test_state_layers_prefill_prompts_together(name):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gpt_oss", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gpt_oss", "bamba", "qwen3_next", "kimi_linear"])
 def test_chunks_that_continue_prompts_share_steps(name):
     """Long prompts in chunks of 4: those at the same point of their prompts with chunks of one length continue
-    together (attention over their cached keys, MLA, sliding windows and sinks, state rows continuing), one of
-    another length alone; greedy tokens equal HF's."""
+    together (attention over their cached keys, MLA, sliding windows and sinks, Mamba2 and delta-rule state rows
+    continuing), one of another length alone; greedy tokens equal HF's."""
     prompts = [list(range(5 + i, 18 + i)) for i in range(3)] + [list(range(40, 50))]
     want = [hf_greedy(name, p, 3) for p in prompts]
     engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4, max_prefill_tokens=4)
     sizes = _prefill_sizes(engine)
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3))] == want
     # 13, 13, 13 and 10 tokens: chunks of 4 (all four), 4 (all four, each continuing from 4 cached), then 4 x 3 and
-    # the 10's last 2 alone; a prompt's last token goes with the decode steps. (Where the engine does not chunk the
-    # model's state layers, Engine.prefill_note, the whole prompts go in one padded step.)
-    assert sizes == ([4, 4, 3, 1] if engine.prefill_note is None else [4]), (sizes, engine.prefill_note)
+    # the 10's last 2 alone; a prompt's last token goes with the decode steps
+    assert engine.prefill_note is None and sizes == [4, 4, 3, 1], (sizes, engine.prefill_note)
     torch._dynamo.reset()
 
 

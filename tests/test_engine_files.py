@@ -94,14 +94,21 @@ def test_load_in_a_process_that_cannot_import_the_modeling_code(exported):
 
 
 def test_cli_export_and_generate(tmp_path, capsys):
+    """A delta-rule + attention + MoE hybrid through the CLI, exported for 4 sequences of 64 tokens: `generate`
+    takes the directory's batch limit as its default, and a 40-token prompt goes in two chunks, the second
+    continuing from the state rows (a program whose conv state is concatenated before the chunk)."""
     out = tmp_path / "eng"
-    assert main(["export", "mixtral", str(out)]) == 0
+    assert main(["export", "qwen3_next", str(out), "--max-batch", "4", "--max-seq-len", "64"]) == 0
     err = capsys.readouterr().err
     assert "exporting graph 1" in err and "wrote" in err
-    assert main(["generate", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--json"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine"]["prefill_note"] is None and manifest["engine"]["max_prefill_tokens"] < 40
+    prompt = list(range(5, 45))
+    assert main(["generate", str(out), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "5",
+                 "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
-    assert got == hf_greedy("mixtral", [5, 6, 7], 5)
-    assert main(["export", "mixtral", str(out)]) == 2  # not empty: refused
+    assert got == hf_greedy("qwen3_next", prompt, 5)
+    assert main(["export", "qwen3_next", str(out)]) == 2  # not empty: refused
     assert "not an empty directory" in capsys.readouterr().err
 
 

@@ -173,6 +173,7 @@ class Capture:
         except Exception as e:  # noqa: BLE001
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             raise ExportError(f"torch.export failed on the graph of {key} ({msg})") from None
+        _split_sym_sums(ep.graph)
         out_ids = {id(t): i for i, t in reversed(list(enumerate(outputs)))}
         if id(logits) not in out_ids:
             raise ExportError("the logits are not an output of the traced graph")
@@ -224,6 +225,23 @@ def _lift_sizes(gm: fx.GraphModule, placeholders: list, example_inputs: list) ->
         node.replace_all_uses_with(size)
         graph.erase_node(node)
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs
+
+
+def _split_sym_sums(graph: fx.Graph) -> None:
+    """``torch.sym_sum`` (a size sum, e.g. of a conv state concatenated before a chunk's inputs) as a chain of
+    ``operator.add``: torch.export's serialiser knows the second, not the first."""
+    import operator
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.sym_sum]:
+        terms = list(node.args[0])
+        value = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+        acc = terms[0]
+        with graph.inserting_before(node):
+            for term in terms[1:]:
+                total = value(acc) + value(term)
+                acc = graph.call_function(operator.add, (acc, term))
+                acc.meta["val"] = total
+        node.replace_all_uses_with(acc)
+        graph.erase_node(node)
 
 
 def _dims(ep, inputs: list[tuple[str, str]]) -> dict[str, list[list[int | None]]]:

@@ -10,7 +10,7 @@
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a first prefill chunk binds nothing and HF
   creates fresh states, which the runner then copies into the new sequence's row; a later chunk binds that
-  row (HF continues from it in place; only for mixers that do, ``ssm_chunking_problem``).
+  row (HF continues from it in place; only for mixers that do, ``chunking_problem``).
 All buffers and step metadata are tensors held by the cache object, so under ``torch.compile`` they are
 graph inputs, never Python globals. Buffers (and the decode views of state buffers, made once per batch
 size) are marked as static addresses: CUDA graphs read and update them in place instead of copying them.
@@ -128,9 +128,9 @@ def discover_layers(model, kwarg: str) -> list[LayerSpec]:
     return specs
 
 
-def ssm_chunking_problem(model, num_state_layers: int) -> str | None:
-    """None when every SSM mixer in ``model`` continues a multi-token call from HF's cached states as one call over
-    all the tokens would (then the engine may prefill in chunks), else why not.
+def chunking_problem(model, num_state_layers: int) -> str | None:
+    """None when every state-layer mixer in ``model`` (SSM or gated delta rule) continues a multi-token call from
+    HF's cached states as one call over all the tokens would (then the engine may prefill in chunks), else why not.
 
     Probed on a CPU copy of one mixer per class, 13 random tokens as 6 + 7, against one call over all 13. HF's
     scans run in fp32 whatever the copy's dtype: an exact continuation differs by fp32 rounding (1e-8 to 1e-5
@@ -141,12 +141,13 @@ def ssm_chunking_problem(model, num_state_layers: int) -> str | None:
 
     from transformers import DynamicCache
 
-    from graphs.modules import SSM, classify
-    mixers = [m for m in model.modules() if classify(m) == SSM]
+    from graphs.modules import DELTA, SSM, classify
+    mixers = [m for m in model.modules() if classify(m) in (SSM, DELTA)]
     if len(mixers) != num_state_layers:
-        return (f"{num_state_layers} state layers but {len(mixers)} SSM mixers hybrid can probe: prompts are "
-                "prefilled whole")
+        return (f"{num_state_layers} state layers but {len(mixers)} SSM / delta-rule mixers hybrid can probe: prompts "
+                "are prefilled whole")
     first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731  (mixers may return (out, ...))
+    width = model.config.get_text_config().hidden_size
     seen = set()
     for mod in mixers:
         if type(mod) in seen:
@@ -159,8 +160,7 @@ def ssm_chunking_problem(model, num_state_layers: int) -> str | None:
                      for t in mod.buffers()})
         try:
             probe = copy.deepcopy(mod, memo)
-            x = torch.randn(1, 13, probe.in_proj.in_features, dtype=torch.float64,
-                            generator=torch.Generator().manual_seed(5))
+            x = torch.randn(1, 13, width, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
             with torch.no_grad():
                 whole = first(probe(x))
                 cache = DynamicCache(config=model.config)

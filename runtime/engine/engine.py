@@ -22,7 +22,7 @@ from runtime import distributed
 from runtime.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
-from .cache import PagedCache, discover_layers, ssm_chunking_problem
+from .cache import PagedCache, discover_layers, chunking_problem
 from .features import Unsupported, check_model, own_attention
 from .model_runner import ModelRunner, decode_bucket
 from .scheduler import Scheduler, Step
@@ -45,6 +45,10 @@ def _where(error: Exception) -> str:
     return f"{type(error).__name__}{': ' + message[:160] if message else ''}{at}"
 
 
+#: sequences decoded together when ``Engine(max_num_seqs=None)`` (an engine directory's --max-batch where lower)
+DEFAULT_MAX_NUM_SEQS = 32
+
+
 def check_options(opts: dict) -> None:
     """Type and range of ``Engine`` keyword options (TypeError / ValueError naming the option), before anything
     is built; unknown names are a TypeError."""
@@ -52,7 +56,7 @@ def check_options(opts: dict) -> None:
         where = f"Engine: {name}"
         if name in ("block_size", "max_num_seqs", "max_prefill_tokens", "cache_memory", "max_num_batched_tokens",
                     "tensor_parallel"):
-            if value is not None or name not in ("cache_memory", "max_num_batched_tokens"):  # None: the default
+            if value is not None or name not in ("cache_memory", "max_num_batched_tokens", "max_num_seqs"):  # None: default
                 check_int(where, value, 1)
         elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights", "expert_parallel"):
             check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode"))
@@ -90,7 +94,7 @@ def _exported_option(name: str, value, plan: dict):
 
 class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 32, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
                  compile: str | None = "auto", bucket_decode: bool | None = None, paged_decode: bool | None = None,
                  overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None,
                  tensor_parallel: int = 1, expert_parallel: bool = False, expert_placement=None):
@@ -121,6 +125,8 @@ class Engine:
             specs, self.prefill_note = plan["specs"], plan["prefill_note"]
             block_size, paged_decode = _exported_option("block_size", block_size, plan), \
                 _exported_option("paged_decode", paged_decode, plan)
+            if max_num_seqs is None:
+                max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, plan["max_batch"])
             if max_num_seqs > plan["max_batch"]:
                 raise ValueError(f"Engine: max_num_seqs={max_num_seqs} is beyond the engine directory's --max-batch "
                                  f"{plan['max_batch']}: lower it, or export again with a larger --max-batch")
@@ -128,6 +134,7 @@ class Engine:
                 max_prefill_tokens = plan["max_prefill_tokens"]  # the chunk lengths the programs were exported for
             self.max_model_len = min(self.max_model_len or plan["max_seq_len"], plan["max_seq_len"])
         else:
+            max_num_seqs = DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
             check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
             self._shard(model, tensor_parallel, expert_parallel, expert_placement)
             specs = discover_layers(model, cache_kwarg(model))
@@ -144,7 +151,7 @@ class Engine:
         # caches take the device's memory.
         num_state_layers = sum(s.states for s in specs)
         if plan is None:
-            self.prefill_note = ssm_chunking_problem(model, num_state_layers) if has_ssm else None
+            self.prefill_note = chunking_problem(model, num_state_layers) if has_ssm else None
         self._layer_specs = specs
         if compile == "auto":
             compile = "hybrid-cudagraphs" if self.device.type == "cuda" else "hybrid-eager"
