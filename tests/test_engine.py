@@ -119,6 +119,34 @@ def test_chunks_that_continue_prompts_share_steps(name):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "bamba", "qwen3_next"])
+def test_decoding_requests_advance_between_the_chunks_of_a_long_prompt(name):
+    """A request decoding when a long prompt arrives gets a token after every chunk step of that prompt (a decode
+    step between prefill steps), not after the whole prompt; both requests' greedy tokens equal HF's."""
+    short, long = list(range(5, 10)), list(range(20, 50))
+    want = [hf_greedy(name, short, 16), hf_greedy(name, long, 4)]
+    engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4, max_prefill_tokens=4)
+    kinds, launch = [], engine.runner.launch
+
+    def recording(step, ahead=None):
+        kinds.append(step.kind if step.kind == "decode" or len(step.seqs) != 1 or step.seqs[0].request_id != late
+                     else "long")
+        return launch(step, ahead)
+    engine.runner.launch = recording
+    first = engine.add_request(short, SamplingParams(max_tokens=16))
+    late = None
+    for _ in range(3):  # the short prompt's chunks, then its first decode
+        engine.step()
+    late = engine.add_request(long, SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(r).token_ids for r in (first, late)] == want
+    chunks = [i for i, k in enumerate(kinds) if k == "long"]
+    assert len(chunks) >= 7, kinds  # 30 tokens in chunks of 4, the last one with the decode steps
+    assert all(kinds[i + 1] == "decode" for i in chunks[:-1]), " ".join(kinds)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["mamba2", "bamba"])
 def test_state_rows_gathered_where_not_consecutive(name, monkeypatch):
     """State rows of a prefill bound as gathered copies and stored back (the path of rows that are not consecutive,

@@ -16,9 +16,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 14), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 4),
                 max_prefill_tokens=st.integers(1, 6), kind=st.sampled_from(["attention", "ssm", "hybrid"]),
                 chunked=st.booleans(), batched_tokens=st.integers(1, 16), batch_prefill=st.booleans(),
-                pad_states=st.booleans())
+                pad_states=st.booleans(), interleave=st.booleans())
     def setup(self, num_blocks, block_size, max_num_seqs, max_prefill_tokens, kind, chunked, batched_tokens,
-              batch_prefill, pad_states):
+              batch_prefill, pad_states, interleave):
         self.blocks = BlockAllocator(num_blocks, block_size) if kind != "ssm" else None
         self.slots = SlotAllocator(max_num_seqs) if kind != "attention" else None
         # several prompts per prefill step; with state rows of equal length unless padding is exact (the Engine's
@@ -27,7 +27,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked,
                                max_num_batched_tokens=batched_tokens,
                                max_prefill_seqs=max_num_seqs if batch_prefill else 1,
-                               equal_lengths=kind != "attention" and not pad_states)
+                               equal_lengths=kind != "attention" and not pad_states, interleave=interleave)
+        self.last_kind = None
         self.seqs: list[Sequence] = []
         self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
 
@@ -45,9 +46,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         sched = self.sched
+        ready = [s for s in sched.running if s.num_uncached == 1]
+        rows_ok = self.slots is None or sorted(s.state_slot for s in ready) == list(range(len(ready)))
         step = sched.schedule() or (sched.schedule() if sched.has_work() else None)  # as Engine._schedule
         assert step is not None or not sched.has_work(), "work left but nothing schedulable: the engine would spin"
         if step is not None:
+            if sched.interleave and self.last_kind == "prefill" and ready and rows_ok:
+                # a sequence ready to decode never waits two prefill steps (unless the cache preempted them all)
+                assert step.kind == "decode" or not any(s.status is Status.RUNNING for s in ready)
             self._run(step)
 
     @rule()
@@ -90,6 +96,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _run(self, step):
         """The runner's bookkeeping of a step: moves, the cache rows it writes, tokens, finishing at max_tokens."""
         self._move(step.moves)
+        self.last_kind = step.kind
         if step.kind == "decode" and self.slots is not None:
             assert [s.state_slot for s in step.seqs] == list(range(len(step.seqs)))
         if step.kind == "prefill" and len(step.seqs) > 1:  # within the budget, padding at most half

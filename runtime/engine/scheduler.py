@@ -1,6 +1,9 @@
 """Continuous batching, plain Python: which sequences run in the next model step.
 
-Each step is either a prefill or a decode of every running sequence (one token each). A prefill starts
+Each step is either a prefill or a decode of every running sequence (one token each). Prefills go first, but
+never twice in a row while sequences wait to decode (``interleave``): a running sequence waits at most one prefill
+step (at most ``max_num_batched_tokens`` tokens) for its next token however long the prompts being prefilled
+(with state rows only where the decoding sequences hold rows 0..n-1, the rows a decode step reads). A prefill starts
 waiting sequences, in arrival order, as many as fit in one step: each feeds its uncached tokens (its first
 chunk when long and the model allows chunking), the rows padded to the longest, and the step's padded tokens
 stay within ``max_num_batched_tokens`` (the first row always goes; a row that would make padding more than
@@ -36,7 +39,7 @@ class Step:
 class Scheduler:
     def __init__(self, blocks: BlockAllocator | None, slots: SlotAllocator | None, *, max_num_seqs: int,
                  max_prefill_tokens: int, chunked_prefill: bool, max_num_batched_tokens: int | None = None,
-                 max_prefill_seqs: int = 1, equal_lengths: bool = False):
+                 max_prefill_seqs: int = 1, equal_lengths: bool = False, interleave: bool = True):
         self.blocks, self.slots = blocks, slots
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -46,6 +49,9 @@ class Scheduler:
         #: the rows of a prefill step of several sequences feed the same number of tokens (no padding)
         self.equal_lengths = equal_lengths
         self.chunked_prefill = chunked_prefill
+        #: a decode step after each prefill step while sequences are ready to decode
+        self.interleave = interleave
+        self._last_kind: str | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._moves: list[tuple[int, int]] = []
@@ -86,10 +92,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------
     def schedule(self) -> Step | None:
-        step = self._schedule_prefill() or self._schedule_decode()
+        step = self._schedule_decode() if self._decode_due() else None
+        step = step or self._schedule_prefill() or self._schedule_decode()
         if step is not None:
             step.moves, self._moves = self._moves, []
+            self._last_kind = step.kind
         return step
+
+    def _decode_due(self) -> bool:
+        """Does a decode go before the next prefill? After a prefill step, when sequences are ready to decode (and,
+        with state rows, hold rows 0..n-1: a sequence still prefilling never sits among the rows a decode reads)."""
+        if not self.interleave or self._last_kind != "prefill":
+            return False
+        ready = [s for s in self.running if s.num_uncached == 1]
+        if not ready:
+            return False
+        return self.slots is None or sorted(s.state_slot for s in ready) == list(range(len(ready)))
 
     def _schedule_prefill(self) -> Step | None:
         partial = [s for s in self.running if s.num_uncached > 1]
