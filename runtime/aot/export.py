@@ -39,7 +39,9 @@ def _workload(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[l
     continuing a prompt, of one token and of several."""
     p = lambda n, seed: _prompt(engine, min(n, max_len - 3), seed)  # noqa: E731
     long = 2 * block_size + 3
-    runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 3), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 2)]
+    # several sequences reach a decode step together only after each prompt's prefill step and the decode steps
+    # between them (the scheduler interleaves): four new tokens each get the pairs there
+    runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 4), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 4)]
     if engine.prefill_note is None and chunk + 3 < max_len - 3:
         runs += [([p(chunk + 3, 7)], 2), ([p(chunk + 1, 8)], 2)]
     return runs
@@ -61,7 +63,9 @@ def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[lis
             for name, per_key in (("block_table", block_size), ("gather_idx", 1)):
                 hi = spec.dims.get(name, [[None, None]] * 2)[1][1]
                 if hi is not None and (hi + 1) * per_key < max_len - 3:
-                    runs.append(([_prompt(cap.engine, (hi + 1) * per_key, 12)], 3))
+                    n = (hi + 1) * per_key
+                    several = "/bN/" in spec.key  # a program for several sequences: two decode together
+                    runs.append(([_prompt(cap.engine, n, 12)] + [_prompt(cap.engine, n, 13)] * several, 4))
     return runs
 
 
