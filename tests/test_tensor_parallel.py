@@ -207,6 +207,46 @@ def test_tensor_parallel_needs_a_process_group():
         Engine(zoo.build("llama"), compile=None, tensor_parallel=2)
 
 
+def _one_rank_worker(rank: int, port: int, out_dir: str):
+    """The tensor-parallel path over a one-rank group: every block is sharded and wrapped as at N ranks, but no
+    collective runs (each is the identity at one rank), and the tokens are the plain engine's."""
+    sys.path.insert(0, ROOT)
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from runtime.distributed import shard_model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective ran over a one-rank group")
+    for name in ("all_reduce", "all_gather_tensor", "all_gather_single"):
+        if hasattr(funcol, name):
+            setattr(funcol, name, refuse)
+    result = {}
+    for name, compile in (("deepseek_v3", "hybrid-eager"), ("mixtral", None)):
+        plain = Engine(zoo.build(name), compile=compile).generate(PROMPTS[:2], SamplingParams(max_tokens=6))
+        torch._dynamo.reset()
+        model = zoo.build(name)
+        report = shard_model(model, dist.group.WORLD)
+        sharded = Engine(model, compile=compile).generate(PROMPTS[:2], SamplingParams(max_tokens=6))
+        torch._dynamo.reset()
+        result[name] = dict(plain=[o.token_ids for o in plain], sharded=[o.token_ids for o in sharded],
+                            split=report.split, errors=[o.error for o in sharded])
+    with open(os.path.join(out_dir, "one.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_one_rank_runs_no_collective_and_gives_the_plain_tokens(tmp_path):
+    mp.spawn(_one_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=1)
+    result = json.loads((tmp_path / "one.json").read_text())
+    for name, r in result.items():
+        assert r["split"], f"{name}: nothing was sharded"
+        assert r["errors"] == [None, None]
+        assert r["sharded"] == r["plain"], name
+
+
 def test_cli_starts_its_ranks_and_prints_once():
     """``hybrid generate --tensor-parallel 2`` outside torchrun relaunches itself on two ranks (torchrun, gloo);
     rank 0 prints the outputs, which equal one process's."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_reduce
+from .collectives import all_reduce, group_size
 from .mixers import shard_gated_deltanet, shard_mamba2
 
 #: relative tolerance of the probes, by the model's dtype (sums in another order than the unsharded model's)
@@ -263,7 +263,9 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed._functional_collectives as funcol
         local = nn.functional.linear(x, self.weight, self.bias)  # [..., per]
-        world = dist.get_world_size(self.group)
+        world = group_size(self.group)
+        if world == 1:
+            return local[..., :self.vocab]
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the newer name where it exists
         parts = gather(local.reshape(1, -1, self.per).contiguous(), 0, self.group)  # [W, N, per]
         return parts.permute(1, 0, 2).reshape(*x.shape[:-1], world * self.per)[..., :self.vocab]
