@@ -104,6 +104,7 @@ def prefill_rows(lengths, fla, dev, save=lambda rows: None):
                     torch.cuda.synchronize()
                     row.update(err_o_vs_fla=rel(o, fo), err_state_vs_fla=rel(st, fs))
                     row["fla_ms"] = cuda_ms(lambda: fla_call(fn, q, k, v, g, beta, h0))
+                    row["fla_kernels_ms"] = kernel_times(lambda: fla_call(fn, q, k, v, g, beta, h0))
                 row["hybrid_ms"] = cuda_ms(ours)
                 row["kernels_ms"] = kernel_times(ours)
                 if T <= 4096:
@@ -165,18 +166,20 @@ def decode_sweep(dev) -> list[dict]:
 
 
 #: launch-parameter variants the prefill sweep times, each over CONFIG["chunk"]'s defaults
-SWEEP = ({}, {"prepare_warps": 8}, {"output_warps": 8}, {"state_warps": 8}, {"BV": 16}, {"BV": 64, "state_warps": 8},
-         {"BKS": 8}, {"C": 32}, {"C_per_channel": 64})
+SWEEP = ({}, {"split": True}, {"dot16": True}, {"split": True, "dot16": True}, {"pair_prec": "tf32"},
+         {"pair_prec": "16"}, {"split": True, "dot16": True, "pair_prec": "16"}, {"split": True, "prepare_warps": 8},
+         {"C": 32, "dot16": True}, {"state16": True}, {"split": True, "dot16": True, "state16": True})
 
 
 def prefill_sweep(dev, T: int = 4096, save=lambda rows: None) -> list[dict]:
-    """The prefill kernels' launch parameters (``SWEEP``) at one length, every shape: GPU time per kernel
-    (bench/TUNING.md)."""
+    """The prefill kernels' launch parameters (``SWEEP``) at one length, every shape: GPU time per kernel and the
+    output's and final state's relative error against the first variant's (bench/TUNING.md)."""
     from hybrid_kernels.delta import triton_chunk
     from hybrid_kernels.delta.triton_config import CONFIG
     rows, saved = [], dict(CONFIG["chunk"])
     for name, s in SHAPES.items():
         q, k, v, g, beta = inputs(1, T, s["HK"], s["HV"], s["K"], s["V"], s["per_channel"], dev)
+        first = None
         for variant in SWEEP:
             CONFIG["chunk"].clear()
             CONFIG["chunk"].update(saved, **variant)
@@ -184,6 +187,10 @@ def prefill_sweep(dev, T: int = 4096, save=lambda rows: None) -> list[dict]:
             row = dict(section="prefill_sweep", shape=name, T=T, variant=variant)
             try:
                 fn = lambda: triton_chunk.delta_rule_chunk_triton(q, k, v, g, beta, s["K"] ** -0.5)  # noqa: E731
+                o, st = fn()
+                if first is None:
+                    first = (o, st)
+                row.update(err_o=rel(o, first[0]), err_state=rel(st, first[1]))
                 row.update(ms=cuda_ms(fn), kernels_ms=kernel_times(fn), C_run=triton_chunk._CHUNK_FITS.get(
                     (s["K"], s["V"], s["per_channel"], v.dtype, v.device)))
             except Exception as e:  # noqa: BLE001
@@ -248,7 +255,8 @@ def table_md(rows) -> str:
         out.append(f"| {r['section']} | {r['shape']} | {r.get('T', r.get('B'))} | {f(r.get('hybrid_ms'))} | "
                    f"{f(r.get('fla_ms'))} | {f(r.get('vs_fla'), 2)} | {f(r.get('hf_ms'))} | {f(r.get('vs_hf'), 1)} | "
                    f"{f(r.get('of_copy_bw'), 2)} | {f(r.get('err_o_vs_fla'), 4)} {r.get('error', '')} |")
-    kernels = [f"- {r['shape']} T={r['T']}: {r['kernels_ms']}" for r in rows if r.get("kernels_ms")]
+    kernels = [f"- {r['shape']} T={r['T']}: {r['kernels_ms']}" + (f"; fla: {r['fla_kernels_ms']}" if r.get(
+        "fla_kernels_ms") else "") for r in rows if r.get("kernels_ms")]
     return "\n".join(out + ["", "GPU time per kernel of one prefill call (ms):", *kernels])
 
 

@@ -42,10 +42,12 @@ def _rows(ptr, rows, mask, stride_t, cols, ncols, L2: tl.constexpr):
 
 @triton.jit
 def _decay_pairs(q_ptr, k_ptr, G_ptr, base, stride_qt, stride_kt, stride_gt, I: tl.constexpr, J: tl.constexpr, K,
-                 scale, SUB: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, L2: tl.constexpr, end):
+                 scale, SUB: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, L2: tl.constexpr, end,
+                 PAIR_PREC: tl.constexpr):
     """Block (I, J) of the two pairwise products under a decay per key channel, sum_d x_i[d] k_j[d] exp(G_i[d] -
     G_j[d]) for x = k (masked to j < i) and x = scale q (j <= i), as [SUB, SUB] fp32 (lk, aq); both share every
-    load and exponential."""
+    load and exponential. ``PAIR_PREC``: the off-diagonal products' precision ("ieee", "tf32", or "16": operands
+    rounded to the inputs' 16-bit dtype, fp32 sums)."""
     ri = base + I * SUB + tl.arange(0, SUB)
     rj = base + J * SUB + tl.arange(0, SUB)
     mi, mj = ri < end, rj < end
@@ -63,8 +65,14 @@ def _decay_pairs(q_ptr, k_ptr, G_ptr, base, stride_qt, stride_kt, stride_gt, I: 
         # rows past the end carry zeros: keep their exponents at 0 so no 0 * inf appears in the kept rows
         ei = tl.exp(tl.where(mi[:, None], gi - ref[None, :], 0.0))
         kjd = tl.trans(kj * tl.exp(tl.where(mj[:, None], ref[None, :] - gj, 0.0)))
-        lk = tl.dot(ki * ei, kjd, input_precision="ieee")
-        aq = tl.dot(qi * ei, kjd, input_precision="ieee")
+        if PAIR_PREC == "16":
+            dt = k_ptr.dtype.element_ty
+            kjd = kjd.to(dt)
+            lk = tl.dot((ki * ei).to(dt), kjd)
+            aq = tl.dot((qi * ei).to(dt), kjd)
+        else:
+            lk = tl.dot(ki * ei, kjd, input_precision=PAIR_PREC)
+            aq = tl.dot(qi * ei, kjd, input_precision=PAIR_PREC)
     else:
         # the norms need whole rows: take them first, then the channels BKS at a time
         qn = _rows(q_ptr, ri, mi, stride_qt, cols, K, False)
@@ -172,19 +180,33 @@ def _solve_unit_lower(Lh, start, end, sL, C: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr, kd_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
-                   stride_bt, stride_bh, HV, REP, K, V, scale,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, SUB: tl.constexpr,
-                   BKS: tl.constexpr, PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
-    """Every [C, D] tile is taken BD columns at a time (loaded again where needed: the chunk's rows stay in L2), so
-    that no more than a few [C, BD] / [C, C] fp32 tiles are live at once: whole [C, 128] tiles spill registers."""
-    c = tl.program_id(0)
-    hv = tl.program_id(1)
-    start = tl.load(chunks_ptr + 2 * c)
-    end = tl.load(chunks_ptr + 2 * c + 1)
-    if start >= end:  # a slot of the chunk table's upper bound that holds no chunk
-        return
+def _raw(ptr, rows, mask, stride_t, cols, ncols):
+    """Rows ``rows`` x columns ``cols`` of a [tokens, D] head view in its own dtype, zero outside."""
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask[:, None] & (cols[None, :] < ncols),
+                   other=0.0)
+
+
+@triton.jit
+def _inv_norms(ph, rows, m, stride_t, K, BK: tl.constexpr, BD: tl.constexpr, L2: tl.constexpr, C: tl.constexpr):
+    """[C] inverse L2 norms of a chunk's rows (ones without L2), BD columns at a time."""
+    r = tl.full([C], 1.0, tl.float32)
+    if L2:
+        ss = tl.zeros([C], dtype=tl.float32)
+        for d0 in tl.static_range(0, BK, BD):
+            x = _rows(ph, rows, m, stride_t, d0 + tl.arange(0, BD), K, False)
+            ss += tl.sum(x * x, axis=1)
+        r = tl.rsqrt(ss + 1e-6)
+    return r
+
+
+@triton.jit
+def _pairs(start, end, hv, q_ptr, k_ptr, g_ptr, beta_ptr, G_ptr, A_ptr, L_ptr, kd_ptr,
+           stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt, stride_bh, HV, REP, K, scale,
+           C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr,
+           PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, PAIR_PREC: tl.constexpr,
+           D16: tl.constexpr):
+    """The first half of the prepare step, one chunk of one value head: the cumulative decay G, the keys as the state
+    update reads them (kd = k exp(G_last - G)), beta_i L_ij and Aqk (module docstring)."""
     hk = hv // REP
     rows = start + tl.arange(0, C)
     m = rows < end
@@ -196,31 +218,17 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
     # scratch rows: token-major [tokens, HV, D]
     Gh = G_ptr + hv * BK
     sG = HV * BK
-    Lh = L_ptr + hv * C  # beta_i L_ij, then (I + L)^-1 in its place
+    Lh = L_ptr + hv * C
     sL = HV * C
     Ah = A_ptr + hv * C
-    sd = u_ptr.dtype.element_ty
-    # inverse L2 norms of the query and key rows
-    rq = tl.full([C], 1.0, tl.float32)
-    rk = tl.full([C], 1.0, tl.float32)
-    if L2:
-        sq = tl.zeros([C], dtype=tl.float32)
-        sk = tl.zeros([C], dtype=tl.float32)
-        for d0 in tl.static_range(0, BK, BD):
-            cd = d0 + tl.arange(0, BD)
-            qb = _rows(qh, rows, m, stride_qt, cd, K, False)
-            kb = _rows(kh, rows, m, stride_kt, cd, K, False)
-            sq += tl.sum(qb * qb, axis=1)
-            sk += tl.sum(kb * kb, axis=1)
-        rq = tl.rsqrt(sq + 1e-6)
-        rk = tl.rsqrt(sk + 1e-6)
-    if PER_CHANNEL:
+    sd = kd_ptr.dtype.element_ty
+    rk = _inv_norms(kh, rows, m, stride_kt, K, BK, BD, L2, C)
+    if PER_CHANNEL:  # the norms are applied block by block inside _decay_pairs
         for d0 in tl.static_range(0, BK, BD):
             cd = d0 + tl.arange(0, BD)
             Gb = tl.cumsum(_rows(g_ptr + hv * stride_gh, rows, m, stride_gt, cd, K, False), axis=0)
             tl.store(Gh + rows[:, None] * sG + cd[None, :], Gb, mask=m[:, None])
             Gl = tl.sum(tl.where(ii[:, None] == last, Gb, 0.0), axis=0)
-            # the keys as the state update reads them: k exp(G_last - G)
             kb = _rows(kh, rows, m, stride_kt, cd, K, False) * rk[:, None]
             tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :], (kb * tl.exp(Gl[None, :] - Gb)).to(sd),
                      mask=m[:, None])
@@ -230,7 +238,7 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
             for J in tl.static_range(I + 1):
                 cj = J * SUB + tl.arange(0, SUB)
                 lk, aq = _decay_pairs(qh, kh, Gh, start, stride_qt, stride_kt, sG, I, J, K, scale, SUB, BK, BKS, L2,
-                                      end)
+                                      end, PAIR_PREC)
                 tl.store(Lh + ri[:, None] * sL + cj[None, :], lk, mask=(ri < end)[:, None])
                 tl.store(Ah + ri[:, None] * sL + cj[None, :], aq.to(A_ptr.dtype.element_ty), mask=(ri < end)[:, None])
         tl.debug_barrier()
@@ -247,42 +255,111 @@ def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_pt
         qk = tl.zeros([C, C], dtype=tl.float32)
         for d0 in tl.static_range(0, BK, BD):
             cd = d0 + tl.arange(0, BD)
-            qb = _rows(qh, rows, m, stride_qt, cd, K, False)
-            kb = _rows(kh, rows, m, stride_kt, cd, K, False)
-            kbt = tl.trans(kb)
-            kk += tl.dot(kb, kbt, input_precision=PREC)
-            qk += tl.dot(qb, kbt, input_precision=PREC)
+            if D16:  # products of the 16-bit rows themselves, fp32 sums
+                qb = _raw(qh, rows, m, stride_qt, cd, K)
+                kb = _raw(kh, rows, m, stride_kt, cd, K)
+                kbt = tl.trans(kb)
+                kk += tl.dot(kb, kbt)
+                qk += tl.dot(qb, kbt)
+                kb = kb.to(tl.float32)
+            else:
+                qb = _rows(qh, rows, m, stride_qt, cd, K, False)
+                kb = _rows(kh, rows, m, stride_kt, cd, K, False)
+                kbt = tl.trans(kb)
+                kk += tl.dot(kb, kbt, input_precision=PREC)
+                qk += tl.dot(qb, kbt, input_precision=PREC)
             tl.store(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :],
                      (kb * (rk * tl.exp(Gl - G))[:, None]).to(sd), mask=m[:, None])
         pair = tl.exp(tl.where(ii[:, None] >= ii[None, :], G[:, None] - G[None, :], float("-inf")))
         L = tl.where(ii[:, None] > ii[None, :], kk * pair, 0.0) * (beta * rk)[:, None] * rk[None, :]
         tl.store(Lh + rows[:, None] * sL + ii[None, :], L, mask=m[:, None])
+        rq = _inv_norms(qh, rows, m, stride_qt, K, BK, BD, L2, C)
         Aqk = qk * pair * (rq * scale)[:, None] * rk[None, :]
         tl.store(Ah + rows[:, None] * sL + ii[None, :], Aqk.to(A_ptr.dtype.element_ty), mask=m[:, None])
-    tl.debug_barrier()  # the solve reads L back block by block
+
+
+@triton.jit
+def _solve_wu(start, end, hv, k_ptr, v_ptr, beta_ptr, G_ptr, w_ptr, u_ptr, L_ptr,
+              stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_bh, HV, REP, K, V,
+              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, SUB: tl.constexpr,
+              PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, D16: tl.constexpr):
+    """The second half, one chunk of one value head: (I + L)^-1 in place of L, w = (I + L)^-1 (beta k exp(G)) and
+    u = (I + L)^-1 (beta v)."""
+    hk = hv // REP
+    rows = start + tl.arange(0, C)
+    m = rows < end
+    ii = tl.arange(0, C)
+    kh = k_ptr + hk * stride_kh
+    beta = tl.load(beta_ptr + rows * stride_bt + hv * stride_bh, mask=m, other=0.0).to(tl.float32)
+    Gh = G_ptr + hv * BK
+    sG = HV * BK
+    Lh = L_ptr + hv * C
+    sL = HV * C
+    sd = u_ptr.dtype.element_ty
     _solve_unit_lower(Lh, start, end, sL, C, SUB)
+    tl.debug_barrier()  # other threads stored the blocks of T this program reads whole
     Tm = tl.load(Lh + rows[:, None] * sL + ii[None, :], mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
+    if D16:
+        Tm = Tm.to(sd)
+    rk = _inv_norms(kh, rows, m, stride_kt, K, BK, BD, L2, C)
     for d0 in tl.static_range(0, BV, BD):
         cv = d0 + tl.arange(0, BD)
         vb = tl.load(v_ptr + hv * stride_vh + rows[:, None] * stride_vt + cv[None, :],
-                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-        u = tl.dot(Tm, vb * beta[:, None], input_precision=PREC)
+                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32) * beta[:, None]
+        if D16:
+            u = tl.dot(Tm, vb.to(sd))
+        else:
+            u = tl.dot(Tm, vb, input_precision=PREC)
         tl.store(u_ptr + hv * BV + rows[:, None] * (HV * BV) + cv[None, :], u.to(sd), mask=m[:, None])
+    if not PER_CHANNEL:
+        dh = tl.exp(tl.load(Gh + rows * sG, mask=m, other=0.0))
     for d0 in tl.static_range(0, BK, BD):
         cd = d0 + tl.arange(0, BD)
         if PER_CHANNEL:
             dk = tl.exp(tl.load(Gh + rows[:, None] * sG + cd[None, :], mask=m[:, None], other=0.0))
         else:
-            dk = tl.exp(G)[:, None]
+            dk = dh[:, None]
         kb = _rows(kh, rows, m, stride_kt, cd, K, False) * (rk * beta)[:, None] * dk
-        w = tl.dot(Tm, kb, input_precision=PREC)
+        if D16:
+            w = tl.dot(Tm, kb.to(sd))
+        else:
+            w = tl.dot(Tm, kb, input_precision=PREC)
         tl.store(w_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :], w.to(sd), mask=m[:, None])
+
+
+@triton.jit
+def _chunk_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, G_ptr, w_ptr, u_ptr, A_ptr, L_ptr, kd_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+                   stride_bt, stride_bh, HV, REP, K, V, scale,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, SUB: tl.constexpr,
+                   BKS: tl.constexpr, PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+                   PAIR_PREC: tl.constexpr, D16: tl.constexpr, PAIRS: tl.constexpr, SOLVE: tl.constexpr):
+    """One program per (chunk, value head): the pairwise products (PAIRS), then the solve and w, u (SOLVE); one launch
+    with both, or two launches (``split``: each half alone holds fewer registers). Every [C, D] tile is taken BD
+    columns at a time (loaded again where needed: the chunk's rows stay in L2), so that no more than a few [C, BD] /
+    [C, C] fp32 tiles are live at once: whole [C, 128] tiles spill registers."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(chunks_ptr + 2 * c)
+    end = tl.load(chunks_ptr + 2 * c + 1)
+    if start >= end:  # a slot of the chunk table's upper bound that holds no chunk
+        return
+    if PAIRS:
+        _pairs(start, end, hv, q_ptr, k_ptr, g_ptr, beta_ptr, G_ptr, A_ptr, L_ptr, kd_ptr, stride_qt, stride_qh,
+               stride_kt, stride_kh, stride_gt, stride_gh, stride_bt, stride_bh, HV, REP, K, scale, C, BK, BD, SUB,
+               BKS, PER_CHANNEL, L2, PREC, PAIR_PREC, D16)
+    if PAIRS and SOLVE:
+        tl.debug_barrier()  # the solve reads L (and G) back
+    if SOLVE:
+        _solve_wu(start, end, hv, k_ptr, v_ptr, beta_ptr, G_ptr, w_ptr, u_ptr, L_ptr, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_bt, stride_bh, HV, REP, K, V, C, BK, BV, BD, SUB, PER_CHANNEL, L2,
+                  PREC, D16)
 
 
 @triton.jit
 def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr, hc_ptr, vn_ptr, HV, K, V,
                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr, S16: tl.constexpr):
     """The sequential pass: per chunk, store the state the chunk starts from (for the output kernel), v' = u - w S
     (stored), S <- exp(G_last) S + kd^T v'."""
     n = tl.program_id(0)
@@ -310,16 +387,21 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
         kd = tl.load(kd_ptr + hv * BK + rows[:, None] * (HV * BK) + ck[None, :], mask=m[:, None], other=0.0)
         u = tl.load(u_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :],
                     mask=m[:, None] & (cv[None, :] < V), other=0.0).to(tl.float32)
-        # fp32 products on the 16-bit scratch (bench/TUNING.md, delta rule: why not 16-bit ones)
-        w, kd = w.to(tl.float32), kd.to(tl.float32)
-        v_new = u - tl.dot(w, h, input_precision=PREC)
+        if S16:  # 16-bit operands (the state rounded for the product), fp32 sums and state
+            v_new = u - tl.dot(w, h.to(w.dtype))
+        else:  # fp32 products on the 16-bit scratch (bench/TUNING.md, delta rule)
+            w, kd = w.to(tl.float32), kd.to(tl.float32)
+            v_new = u - tl.dot(w, h, input_precision=PREC)
         tl.store(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], v_new.to(vn_ptr.dtype.element_ty),
                  mask=m[:, None])
         if PER_CHANNEL:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK) + ck))[:, None]
         else:
             hdec = tl.exp(tl.load(G_ptr + hv * BK + last * (HV * BK)))
-        h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        if S16:
+            h = h * hdec + tl.dot(tl.trans(kd), v_new.to(kd.dtype))
+        else:
+            h = h * hdec + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
         slot += 1
     tl.store(ht_ptr + state_off, h, mask=hmask)
 
@@ -328,7 +410,7 @@ def _chunk_state(cu_ptr, first_ptr, G_ptr, w_ptr, u_ptr, kd_ptr, h0_ptr, ht_ptr,
 def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride_qt, stride_qh, stride_ot,
                   stride_oh, HV, REP, K, V, scale,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, BD: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+                  PER_CHANNEL: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, D16: tl.constexpr):
     """Every chunk in parallel: o = (q exp(G)) S_chunk + Aqk v', the first product BD key columns at a time."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -344,10 +426,12 @@ def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride
     cv = vb * BV + tl.arange(0, BV)
     qh = q_ptr + hk * stride_qh
     Aqk = tl.load(A_ptr + hv * C + rows[:, None] * (HV * C) + ii[None, :],
-                  mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0).to(tl.float32)
-    vn = tl.load(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], mask=m[:, None],
-                 other=0.0).to(tl.float32)
-    o = tl.dot(Aqk, vn, input_precision=PREC)
+                  mask=m[:, None] & (ii[:, None] >= ii[None, :]), other=0.0)
+    vn = tl.load(vn_ptr + hv * BVF + rows[:, None] * (HV * BVF) + cv[None, :], mask=m[:, None], other=0.0)
+    if D16:  # the 16-bit scratch tiles as they are, fp32 sums
+        o = tl.dot(Aqk, vn)
+    else:
+        o = tl.dot(Aqk.to(tl.float32), vn.to(tl.float32), input_precision=PREC)
     rq = tl.full([C], scale, tl.float32)
     if L2:
         sq = tl.zeros([C], dtype=tl.float32)
@@ -364,8 +448,11 @@ def _chunk_output(q_ptr, o_ptr, chunks_ptr, G_ptr, A_ptr, hc_ptr, vn_ptr, stride
         if PER_CHANNEL:
             qd = qd * tl.exp(tl.load(G_ptr + hv * BK + rows[:, None] * (HV * BK) + cd[None, :], mask=m[:, None],
                                      other=0.0))
-        h = tl.load(hbase + cd[:, None] * BVF + cv[None, :]).to(tl.float32)
-        o += tl.dot(qd, h, input_precision=PREC)
+        h = tl.load(hbase + cd[:, None] * BVF + cv[None, :])
+        if D16:
+            o += tl.dot(qd.to(h.dtype), h)
+        else:
+            o += tl.dot(qd, h.to(tl.float32), input_precision=PREC)
     tl.store(o_ptr + hv * stride_oh + rows[:, None] * stride_ot + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=m[:, None] & (cv[None, :] < V))
 
@@ -469,12 +556,17 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     # fp32 inputs keep fp32 products; 16-bit inputs carry less precision than tf32 keeps
     prec = "ieee" if v.dtype == torch.float32 else "tf32"
     slots = chunks.shape[0]
-    _chunk_prepare[(slots, HV)](
-        qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls, kd,
-        qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-        gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), HV, HV // HK, K, V, scale,
-        C=C, BK=BK, BV=BVF, BD=min(BK, BVF, cfg["BD"]), SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel,
-        L2=use_l2norm, PREC=prec, num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
+    d16 = cfg["dot16"] and scr["dtype"] != torch.float32
+    pair_prec = "ieee" if v.dtype == torch.float32 else cfg["pair_prec"]
+    halves = [(True, False), (False, True)] if cfg["split"] else [(True, True)]
+    for pairs, solve in halves:
+        _chunk_prepare[(slots, HV)](
+            qf, kf, vf, gf, bf, chunks, Gs, w, u, A, Ls, kd,
+            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+            gf.stride(0), gf.stride(1), bf.stride(0), bf.stride(1), HV, HV // HK, K, V, scale,
+            C=C, BK=BK, BV=BVF, BD=min(BK, BVF, cfg["BD"]), SUB=cfg["SUB"], BKS=cfg["BKS"], PER_CHANNEL=per_channel,
+            L2=use_l2norm, PREC=prec, PAIR_PREC=pair_prec, D16=d16, PAIRS=pairs, SOLVE=solve,
+            num_warps=cfg["prepare_warps"], num_stages=cfg["stages"])
     final = torch.empty(N, HV, K, V, **f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else final
     hc = torch.empty(slots, HV, BK, BVF, **scr)  # the state each chunk starts from
@@ -482,13 +574,14 @@ def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_l2norm, C):
     BV = min(BVF, cfg["BV"])
     _chunk_state[(N, HV, triton.cdiv(V, BV))](
         cu_seqlens, first, Gs, w, u, kd, h0, final, hc, vn, HV, K, V, C=C, BK=BK, BV=BV, BVF=BVF,
-        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec, num_warps=cfg["state_warps"],
+        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None, PREC=prec,
+        S16=cfg["state16"] and scr["dtype"] != torch.float32, num_warps=cfg["state_warps"],
         num_stages=cfg["state_stages"] if scr["dtype"] != torch.float32 else 1)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     of = o.view(total, HV, V)
     _chunk_output[(slots, HV, triton.cdiv(V, cfg["BV_OUT"]) if BVF > cfg["BV_OUT"] else 1)](
         qf, of, chunks, Gs, A, hc, vn, qf.stride(0), qf.stride(1), of.stride(0), of.stride(1), HV, HV // HK, K, V,
         scale, C=C, BK=BK, BV=min(BVF, cfg["BV_OUT"]), BVF=BVF, BD=min(BK, cfg["BD"]), PER_CHANNEL=per_channel,
-        L2=use_l2norm, PREC=prec,
+        L2=use_l2norm, PREC=prec, D16=d16,
         num_warps=cfg["output_warps"], num_stages=cfg["stages"])
     return o, final

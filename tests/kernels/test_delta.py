@@ -78,6 +78,22 @@ def test_chunk_and_step_equal_recurrence(case):
     close(ht, want_s)
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "x".join(map(str, c[:6])) + ("-ch" if c[6] else "-head"))
+def test_prepare_in_two_launches_equals_one(case, monkeypatch):
+    """CONFIG's ``split``: the pairwise products and the solve as two launches give what one launch gives."""
+    from hybrid_kernels.delta.triton_config import CONFIG
+    B, T, HK, HV, K, V, pc = case
+    q, k, v, g, beta = inputs(B, T, HK, HV, K, V, pc, seed=T + 1)
+    s0 = torch.randn(B, HV, K, V, device=DEV)
+    monkeypatch.setitem(CONFIG, "chunk", {**CONFIG["chunk"], "split": False})
+    one = delta_rule_chunk_triton(q, k, v, g, beta, K ** -0.5, s0)
+    monkeypatch.setitem(CONFIG, "chunk", {**CONFIG["chunk"], "split": True})
+    two = delta_rule_chunk_triton(q, k, v, g, beta, K ** -0.5, s0)
+    close(two[0], one[0], 1e-6), close(two[1], one[1], 1e-6)
+    want_o, want_s = ref.delta_rule_recurrent(q, k, v, g, beta, K ** -0.5, s0)
+    close(two[0], want_o), close(two[1], want_s)
+
+
 @pytest.mark.parametrize("pc", [False, True], ids=["head", "ch"])
 def test_packed_sequences(pc):
     lens = [1, 64, 5, 90]
@@ -161,9 +177,15 @@ def test_chunk_length_halves_where_shared_memory_is_short(monkeypatch):
 
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 needs the GPU (the CPU interpreter computes bf16 wrongly)")
 @pytest.mark.parametrize("pc", [False, True], ids=["head", "ch"])
-def test_bf16_inputs_keep_bf16_precision(pc):
+@pytest.mark.parametrize("variant", [{}, {"split": False, "dot16": False, "pair_prec": "ieee", "state16": False},
+                                     {"pair_prec": "tf32"}, {"C": 32, "prepare_warps": 8}],
+                         ids=["default", "fp32-products", "pair-tf32", "C32-8warps"])
+def test_bf16_inputs_keep_bf16_precision(pc, variant, monkeypatch):
     """16-bit inputs: scratch between the kernels in bf16, states and the UT system in fp32; the model's head sizes,
-    three chunks and a partial one, an initial state: within bf16's precision of the fp32 recurrence."""
+    three chunks and a partial one, an initial state: within bf16's precision of the fp32 recurrence, for every
+    precision CONFIG offers, and with more warps than threads per tile row (a missing barrier shows there)."""
+    from hybrid_kernels.delta.triton_config import CONFIG
+    monkeypatch.setitem(CONFIG, "chunk", {**CONFIG["chunk"], **variant})
     q, k, v, g, beta = inputs(2, 200, 2, 4, 128, 128, pc, seed=13)
     s0 = torch.randn(2, 4, 128, 128, device=DEV) * 0.1
     want = ref.delta_rule_recurrent(q, k, v, g, beta, 128 ** -0.5, s0)
