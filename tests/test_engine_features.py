@@ -109,11 +109,16 @@ def test_a_model_that_adds_cache_rows_is_refused():
         Engine(model, compile=None)
 
 
-def test_attention_of_the_models_own_gets_contiguous_gathered_keys():
+@pytest.mark.parametrize("name, overrides", [
+    ("gpt_neox_japanese", dict(intermediate_multiple_size=1, rotary_pct=0.5)),
+    # BERT-style query / key / value projections (found by the cache update in its forward, not by their names)
+    ("big_bird", dict(is_decoder=True, attention_type="original_full")),
+], ids=["gpt_neox_japanese", "big_bird"])
+def test_attention_of_the_models_own_gets_contiguous_gathered_keys(name, overrides):
     """An attention module that does not call HF's attention functions (it views the keys the cache returns) gets
     them gathered and contiguous: HF's greedy tokens, uncompiled and compiled; paged decode, which would hand it the
     raw buffer, is refused by name."""
-    model = _model("gpt_neox_japanese", intermediate_multiple_size=1, rotary_pct=0.5)
+    model = _model(name, **overrides)
     want = _hf_greedy(model)
     assert _engine(model, compile=None) == want
     assert _engine(model, compile="hybrid-eager") == want

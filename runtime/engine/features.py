@@ -25,9 +25,24 @@ class Unsupported(ValueError):
                          "torch.compile(model, backend='hybrid') instead")
 
 
+#: child names of attention projections in HF's families: separate query / key projections, or one fused projection
+_QK_PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("q_lin", "k_lin"), ("q", "k"))
+_FUSED_QKV = ("qkv_proj", "query_key_value", "qkv", "Wqkv", "c_attn")
+
+
 def _has_attention_projections(m: nn.Module) -> bool:
     children = dict(m.named_children())
-    return ("q_proj" in children and "k_proj" in children) or "qkv_proj" in children or "query_key_value" in children
+    return any(q in children and k in children for q, k in _QK_PAIRS) or any(n in children for n in _FUSED_QKV)
+
+
+def _updates_a_cache(m: nn.Module) -> bool:
+    """Whether the module's own forward stores keys through a cache (``cache.update(...)``)."""
+    import inspect
+    try:
+        src = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return False
+    return ".update(" in src and ("past_key_value" in src or "cache" in src)
 
 
 def own_attention(model: nn.Module) -> list[str]:
@@ -35,7 +50,8 @@ def own_attention(model: nn.Module) -> list[str]:
     (``ALL_ATTENTION_FUNCTIONS``): they compute attention themselves over the keys the cache returns, so the engine
     gives them gathered, contiguous keys and never its paged buffers."""
     import sys
-    return sorted({type(m).__name__ for _, m in model.named_modules() if _has_attention_projections(m)
+    return sorted({type(m).__name__ for _, m in model.named_modules()
+                   if (_has_attention_projections(m) or _updates_a_cache(m))
                    and not hasattr(sys.modules.get(type(m).__module__), "ALL_ATTENTION_FUNCTIONS")})
 
 
