@@ -211,7 +211,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from runtime.engine import Engine, SamplingParams
-    prompts: list = list(args.prompt or []) + list(args.prompt_ids or [])
+    prompts: list = list(args.prompts or [])
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -276,6 +276,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"hybrid serve needs starlette and uvicorn ({', '.join(missing)} missing): pip install "
                          "'hybrid[serve]'")
 
+    _check_listen(args.host, args.port)  # before the model loads: a bad address costs no minutes
     from runtime.engine import Engine
     from runtime.serve import serve
     _say(f"loading {args.model} ...")
@@ -317,6 +318,26 @@ def cmd_zoo(args) -> int:
 
 
 # -- flag types: a bad value is argparse's one-line error naming the flag ------------------------------------
+def _check_listen(host: str, port: int) -> None:
+    """The server can listen on ``host``:``port`` (the address resolves, the port is free)."""
+    import socket
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is 0-65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e}): give an address of this machine, e.g. "
+                         "127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or "
+                             "--host") from None
+
+
 def _int_at_least(lo: int):
     def parse(text: str) -> int:
         try:
@@ -413,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", parents=[debug, loading, engine_flags],
                        help="generate with the continuous-batching engine (paged caches, SSM slots)")
     g.add_argument("model", help="zoo name or path to an HF model directory (its tokenizer is used for --prompt)")
-    g.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer); repeatable")
-    g.add_argument("--prompt-ids", action="append", type=_prompt_ids,
+    # one list for both flags: the outputs come in the order the prompts were given
+    g.add_argument("--prompt", action="append", dest="prompts", help="text prompt (needs a tokenizer); repeatable")
+    g.add_argument("--prompt-ids", action="append", dest="prompts", type=_prompt_ids,
                    help="comma-separated token ids, e.g. 5,6,7; repeatable")
     g.add_argument("--max-new-tokens", type=_sampling("max_tokens", int), default=16)
     g.add_argument("--temperature", type=_sampling("temperature", float), default=0.0, help="0: greedy")
@@ -441,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve the model over HTTP, OpenAI-compatible (/v1/completions, /v1/chat/completions)")
     sv.add_argument("model", help="zoo name or path to an HF model directory (with its tokenizer and chat template)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    sv.add_argument("--port", type=_int_at_least(0), default=8000)
+    sv.add_argument("--port", type=_int_at_least(0), default=8000, help="0-65535 (default 8000)")
     sv.add_argument("--served-model-name", help="the model name clients give (default: MODEL as given)")
     sv.add_argument("--max-num-seqs", type=_int_at_least(1), default=None,
                     help="requests decoded together (default 32, or an engine directory's --max-batch where lower)")

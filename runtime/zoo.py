@@ -292,6 +292,9 @@ def _check_weight_files(path: Path) -> None:
     """Weight files present, the index's shards there, every safetensors header readable and covering its file."""
     from safetensors import safe_open
     if not any((path / f).is_file() for f in WEIGHT_FILES):
+        if (path / "programs").is_dir() and (path / "weights.safetensors").is_file():
+            raise LoadError(f"{path} looks like an engine directory (programs/, weights.safetensors) without its "
+                            "manifest.json: export the engine again (an engine directory is not a model to export)")
         raise LoadError(f"{path} has no weights (none of {', '.join(WEIGHT_FILES)}): copy the checkpoint's weight "
                         "files there, or write a zoo model with `hybrid zoo save NAME DIR`")
     shards = []

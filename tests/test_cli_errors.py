@@ -275,6 +275,19 @@ def test_text_prompts_need_tokenizer_files(tmp_path, run_cli):
     assert code == 2 and not out and "prompt: this model has no tokenizer" in error_line(err)
 
 
+def test_outputs_follow_the_order_of_the_prompts_and_hold_no_special_tokens(run_cli):
+    """--prompt-ids and --prompt mixed: outputs in the order given; text without EOS (as the server streams it)."""
+    import json
+    code, out, err = run_cli("generate", "llama", "--compile", "none", "--prompt-ids", "5,6,7", "--prompt", "hi",
+                             "--prompt-ids", "9", "--prompt-ids", "5,6", "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    outputs = json.loads(out)["outputs"]
+    assert [o["prompt_token_ids"] for o in outputs][0::2] == [[5, 6, 7], [9]]
+    assert outputs[1]["prompt_token_ids"] not in ([5, 6, 7], [9]) and outputs[3]["prompt_token_ids"] == [5, 6]
+    assert outputs[3]["finish_reason"] == "stop"  # it ends at EOS (zoo llama's greedy tokens), whose text is not shown
+    assert all("</s>" not in o["text"] and "<s>" not in o["text"] for o in outputs)
+
+
 @pytest.mark.parametrize("args, message", [
     (["demo", "--tokens", "0"], "argument --tokens: must be an integer >= 1, got 0"),
     (["demo", "--new-tokens", "x"], "argument --new-tokens: must be an integer >= 1, got 'x'"),

@@ -60,6 +60,20 @@ def test_engine_directory_generates_hf_tokens_without_compiling(exported, name):
         assert out.token_ids == hf_greedy(name, prompt, 10)
 
 
+def test_ssd_directory_takes_every_prompt_length(tmp_path):
+    """HF's Mamba2 scan branches on whole chunks or a padded one, and on one chunk or several, where no size range
+    says so: the export drives every prompt length so each branch gets its program, and a loaded directory tries the
+    programs whose ranges fit until one's guards pass. Every length within the limits gives the model's tokens."""
+    path = export_engine("mamba2", tmp_path / "m2", max_seq_len=24, progress=lambda msg: None)
+    engine = Engine.from_pretrained(str(path))
+    prompts = [[(7 * i + n) % 200 + 3 for i in range(n)] for n in range(1, 21)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.error for o in outs] == [None] * len(prompts)
+    # whole chunks and padded ones, one chunk and several (tiny mamba2: chunks of 8): the model directory's tokens
+    want = Engine(zoo.load("mamba2"), compile=None).generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+
+
 def test_streaming_sampling_and_batching_from_an_engine_directory(exported):
     engine = Engine.from_engine(exported("llama"), max_num_seqs=2)
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)

@@ -86,6 +86,9 @@ def idle(engine, seconds=20.0):
 
 def test_models_and_health(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("other")
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
 
@@ -206,6 +209,9 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
      "only text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
      "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, r"messages\[0\] \(user\) has no 'content'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
     ("/v1/nothing", {}, 404, "POST /v1/nothing: Not Found"),
 ])
 def test_bad_requests_are_json_errors(server, path, body, status, match):
@@ -216,6 +222,15 @@ def test_bad_requests_are_json_errors(server, path, body, status, match):
     error = r.json()["error"]
     assert re.search(match, error["message"]) and "Traceback" not in r.text
     assert not server.engine.has_unfinished()
+
+
+def test_what_clients_send_by_default_is_taken(server):
+    """response_format {"type": "text"} (the default some clients send) and an assistant turn without text."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "and?"}]
+    r = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                                response_format={"type": "text"})
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_wrong_method_and_the_openai_client_errors(server):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from runtime.engine.exported import (ProgramSpec, StepOutput, describe_call, find_program, step_tensors,
+from runtime.engine.exported import (ProgramSpec, StepOutput, _is_guard_failure, describe_call, find_programs,
+                                     step_tensors,
                                      variant_key)
 
 class ExportError(RuntimeError):
@@ -47,6 +48,7 @@ class Capture:
         self.consts: dict[str, torch.Tensor] = {}
         #: id(program) -> its inputs as the captured call had them (the check of a compiled package runs on them)
         self.examples: dict[int, list] = {}
+        self._modules: dict[int, torch.nn.Module] = {}  # id(program) -> its module (_taken runs it)
         names = {}
         for n, t in [*self.model.named_parameters(remove_duplicate=False),
                      *self.model.named_buffers(remove_duplicate=False)]:
@@ -69,7 +71,7 @@ class Capture:
         cache = kwargs[self.engine.runner.kwarg]
         named = step_tensors(input_ids, cache, kwargs)
         paged = bool(cache.attention and cache.attention[0].paged)
-        if find_program(self.programs, named, paged) is not None:
+        if self._taken(named, paged):
             return self._forward(input_ids, **kwargs)
         key = variant_key(named, paged)
         self.progress(f"exporting graph {self.count + 1} ({key}: {describe_call(named)})")
@@ -78,6 +80,24 @@ class Capture:
         except Exception as e:
             self.error = self.error or e  # the engine fails the request; export_engine raises it
             raise
+
+    def _taken(self, named: dict, paged: bool) -> bool:
+        """Whether a program already exported takes this call: its sizes fit and its own guards pass (a model that
+        branches on sizes no range states, e.g. whole SSD chunks or not, needs a program per branch). The program runs
+        on copies of the step tensors, so the call's cache is left for the live model to fill."""
+        for spec, ep in find_programs(self.programs, named, paged):
+            args = [named[n].clone() if kind == "step" else (self.weights[n] if kind == "weight" else self.consts[n])
+                    for kind, n in spec.inputs]
+            if id(ep) not in self._modules:
+                self._modules[id(ep)] = ep.module()
+            try:
+                with torch.no_grad():
+                    self._modules[id(ep)](*args)
+                return True
+            except (AssertionError, RuntimeError) as e:
+                if not _is_guard_failure(e):
+                    raise
+        return False
 
     # ------------------------------------------------------------------------------------------------
     def _capture(self, key: str, named: dict, kwargs: dict):

@@ -44,6 +44,10 @@ def _workload(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[l
     runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 4), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 4)]
     if engine.prefill_note is None and chunk + 3 < max_len - 3:
         runs += [([p(chunk + 3, 7)], 2), ([p(chunk + 1, 8)], 2)]
+    # every prompt length of one chunk and of a continuing one, prefilled alone: a model may branch on sizes where no
+    # range shows it (an SSD scan over whole chunks or a padded one, one chunk or several), each branch a program
+    longest = min(2 * chunk if engine.prefill_note is None else chunk, max_len - 3)
+    runs += [([p(n, 20 + n)], 1) for n in range(2, longest + 1)]
     return runs
 
 

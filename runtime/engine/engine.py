@@ -750,7 +750,8 @@ class Engine:
         seq = self._seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} in this engine")
-        text = self.tokenizer.decode(seq.output) if self.tokenizer is not None else None
+        # special tokens (EOS, padding) are not text: the server's streams leave them out alike
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True) if self.tokenizer is not None else None
         return RequestOutput(seq.request_id, seq.prompt, list(seq.output),
                              seq.finish_reason if seq.status is Status.FINISHED else None, text, seq.preemptions,
                              seq.error)

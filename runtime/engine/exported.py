@@ -118,12 +118,17 @@ class MissingProgram(RuntimeError):
     """A model call of a variant the engine directory has no program for."""
 
 
-def find_program(programs: dict[str, list], named: dict[str, torch.Tensor], paged: bool):
-    """The (spec, program) of ``programs`` {key: [(spec, program), ...]} that takes this call, or None."""
-    for entry in programs.get(variant_key(named, paged), ()):
-        if entry[0].fits(named):
-            return entry
-    return None
+def find_programs(programs: dict[str, list], named: dict[str, torch.Tensor], paged: bool) -> list:
+    """The (spec, program)s of ``programs`` {key: [(spec, program), ...]} whose sizes take this call. Where the model
+    branches on sizes in ways no range says (a prompt that fills whole SSD chunks or not, one chunk or several),
+    several fit and a program's own guards decide (``_is_guard_failure``)."""
+    return [entry for entry in programs.get(variant_key(named, paged), ()) if entry[0].fits(named)]
+
+
+def _is_guard_failure(e: BaseException) -> bool:
+    """An exported program's check of its inputs' sizes, raised before it computes anything."""
+    return isinstance(e, (AssertionError, RuntimeError)) and ("Guard failed" in str(e)
+                                                               or "Runtime assertion failed" in str(e))
 
 
 def describe_call(named: dict[str, torch.Tensor]) -> str:
@@ -149,15 +154,20 @@ class ExportedModel(torch.nn.Module):
         kwargs = dict(extra, position_ids=position_ids, attention_mask=attention_mask)
         named = step_tensors(input_ids, cache, kwargs)
         paged = bool(cache.attention and cache.attention[0].paged)
-        entry = find_program(self._programs, named, paged)
-        if entry is None:
+        out = None
+        for spec, run in find_programs(self._programs, named, paged):
+            args = [named[n] if kind == "step" else (self._by_name[n] if kind == "weight" else self._consts[n])
+                    for kind, n in spec.inputs]
+            try:
+                out = run(*args)
+                break
+            except (AssertionError, RuntimeError) as e:
+                if not _is_guard_failure(e):
+                    raise
+        if out is None:
             raise MissingProgram(f"this engine directory has no exported graph for a {variant_key(named, paged)} call "
                                  f"of {describe_call(named)}: export it again with --max-seq-len / --max-batch "
                                  "covering it, or run the model directory")
-        spec, run = entry
-        args = [named[n] if kind == "step" else (self._by_name[n] if kind == "weight" else self._consts[n])
-                for kind, n in spec.inputs]
-        out = run(*args)
         for name, index in spec.states.items():
             kind, j = name.split(".")
             layer = cache.states[int(j)]
@@ -220,6 +230,11 @@ def read_manifest(path: Path) -> dict:
         got = manifest.get("format") if isinstance(manifest, dict) else None
         raise EngineFileError(f"{path} is an engine directory of format {got!r}; this hybrid reads format {FORMAT}: "
                               "export it again with this hybrid")
+    want = {"versions": dict, "device": dict, "dtype": str, "files": dict, "programs": list, "engine": dict}
+    for key, kind in want.items():
+        if not isinstance(manifest.get(key), kind):
+            what = "no" if key not in manifest else f"a malformed ({type(manifest[key]).__name__})"
+            raise EngineFileError(f"{path / MANIFEST} has {what} {key!r} entry: export the engine again")
     return manifest
 
 

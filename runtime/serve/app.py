@@ -86,10 +86,17 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
             return JSONResponse({"status": "error", "error": loop.error}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    card = {"id": model_name, "object": "model", "created": CREATED, "owned_by": "hybrid",
+            "max_model_len": engine.max_model_len}
+
     async def models(request):
-        card = {"id": model_name, "object": "model", "created": CREATED, "owned_by": "hybrid",
-                "max_model_len": engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request):  # the OpenAI client's models.retrieve(name)
+        if request.path_params["name"] != model_name:
+            raise APIError(f"the model '{request.path_params['name']}' does not exist: this server serves "
+                           f"'{model_name}'", "model", 404, kind="not_found_error", code="model_not_found")
+        return JSONResponse(card)
 
     async def completions(request):
         return await _serve(request, chat=False)
@@ -187,6 +194,7 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
         return piece, new_ids
 
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                            Route("/v1/models/{name:path}", model),
                             Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", chat, methods=["POST"])],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal},

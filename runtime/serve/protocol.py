@@ -47,7 +47,8 @@ CHAT = {**COMMON, "messages": (list,), "max_completion_tokens": (int, type(None)
 #: fields taken only at the value that means "off" (anything else is a 400 naming them)
 OFF = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
        "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None, "tool_choice": None,
-       "functions": None, "function_call": None, "parallel_tool_calls": None}
+       "functions": None, "function_call": None, "parallel_tool_calls": None,
+       "response_format": None}  # {"type": "text"}, the default, is taken too
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -65,7 +66,8 @@ def _check_fields(body: dict, allowed: dict) -> None:
     for name, value in body.items():
         if name in OFF:
             off = OFF[name]
-            if value is not None and value != off and not (off is None and value in (False, {}, [])):
+            if value is not None and value != off and not (off is None and value in (False, {}, [])) \
+                    and not (name == "response_format" and value == {"type": "text"}):
                 raise APIError(f"'{name}' is not supported by this server (only {json.dumps(off)})", name)
             continue
         if name not in allowed:
@@ -159,7 +161,9 @@ def completion_request(body: dict, tokenizer) -> Request:
 
 def _content(message: dict, i: int) -> str:
     content = message.get("content")
-    if content is None:
+    if content is None:  # only an assistant turn may come without text (one that called a tool)
+        if message["role"] != "assistant":
+            raise APIError(f"messages[{i}] ({message['role']}) has no 'content'", "messages")
         return ""
     if isinstance(content, str):
         return content
