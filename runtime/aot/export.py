@@ -105,6 +105,9 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
     model = zoo.load(name_or_path, dtype=dtype, device=str(dev))
     tokenizer = zoo.load_tokenizer(name_or_path)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_seq_len and limit and max_seq_len > limit:
+        progress(f"max_seq_len {max_seq_len} is past the model's {limit} positions "
+                 f"(max_position_embeddings): exporting for {limit}")
     max_seq_len = min(max_seq_len or limit or 4096, limit or 1 << 30)
     # prompts are prefilled in chunks of at most this many tokens, at export and at load
     chunk = max(8, min(max_prefill_tokens, max_seq_len // 2))
@@ -147,7 +150,11 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
         for spec, ep in cap.programs[key]:
             n = len(programs)
             spec.file = f"programs/{n}.pt2"
+            # saved without the call's inputs (whole cache buffers: tens of MB a program, never read at load);
+            # AOTInductor's build below needs them
+            inputs, ep.example_inputs = ep.example_inputs, None
             torch.export.save(ep, str(out / spec.file))
+            ep.example_inputs = inputs
             if cxx is not None:
                 from .package import build_package
                 progress(f"compiling graph {n + 1}/{total} with AOTInductor ({cxx}): {spec.key}")
