@@ -84,10 +84,10 @@ class Capture:
     def _taken(self, named: dict, paged: bool) -> bool:
         """Whether a program already exported takes this call: its sizes fit and its own guards pass (a model that
         branches on sizes no range states, e.g. whole SSD chunks or not, needs a program per branch). The program runs
-        on copies of the step tensors, so the call's cache is left for the live model to fill."""
+        on copies of the step tensors but the cache buffers, whose rows it writes as the live model then does."""
         for spec, ep in find_programs(self.programs, named, paged):
-            args = [named[n].clone() if kind == "step" else (self.weights[n] if kind == "weight" else self.consts[n])
-                    for kind, n in spec.inputs]
+            args = [(named[n] if n.startswith("buf.") else named[n].clone()) if kind == "step"
+                    else (self.weights[n] if kind == "weight" else self.consts[n]) for kind, n in spec.inputs]
             if id(ep) not in self._modules:
                 self._modules[id(ep)] = ep.module()
             try:

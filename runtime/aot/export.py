@@ -44,11 +44,22 @@ def _workload(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[l
     runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 4), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 4)]
     if engine.prefill_note is None and chunk + 3 < max_len - 3:
         runs += [([p(chunk + 3, 7)], 2), ([p(chunk + 1, 8)], 2)]
-    # every prompt length of one chunk and of a continuing one, prefilled alone: a model may branch on sizes where no
-    # range shows it (an SSD scan over whole chunks or a padded one, one chunk or several), each branch a program
-    longest = min(2 * chunk if engine.prefill_note is None else chunk, max_len - 3)
-    runs += [([p(n, 20 + n)], 1) for n in range(2, longest + 1)]
+    # a state layer's scan may branch on sizes where no range shows it (whole scan chunks or a padded one, one chunk
+    # or several), each branch a program: prompts around every scan chunk length, fresh and continuing a chunk
+    if engine.cache.states:
+        longest = min(2 * chunk if engine.prefill_note is None else chunk, max_len - 3)
+        edges = {n for c in _scan_chunks(engine.model) for k in (1, 2) for n in (k * c - 1, k * c, k * c + 1)}
+        lengths = sorted({2, 3, 4, 5} | edges | {chunk + n for n in {2, 3, 4, 5} | edges})
+        runs += [([p(n, 20 + n)], 1) for n in lengths if 2 <= n <= longest]
     return runs
+
+
+def _scan_chunks(model) -> set[int]:
+    """The chunk lengths a model's scans may pad to: its configs' ``*chunk_size`` fields, and 64 (HF's chunked gated
+    delta rule)."""
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+    found = {v for c in configs for k, v in c.to_dict().items() if k.endswith("chunk_size") and isinstance(v, int)}
+    return {c for c in found | {64} if c > 1}
 
 
 def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[list[list[int]], int]]:
