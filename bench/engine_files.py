@@ -6,7 +6,7 @@ Per model: `hybrid export` into a temporary directory (timed), then in fresh pro
 traces and compiles) and `hybrid generate ENGINE_DIR` (no compile), each timed from process start to the first
 tokens (the whole process: start, load or compile, 16 greedy tokens of 2 prompts, exit), their tokens compared. ``--tpot``: in this process, the
 decode TPOT of B = 8 streams from each engine (the in-process compiled engine is the baseline), the same run; an
-engine directory with AOTInductor packages (`--aot inductor`, the default on cuda) also through its exported
+engine directory with AOTInductor packages (`--aot inductor`) also through its exported
 programs (HYBRID_ENGINE_ROUTE=exported).
 """
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tpot", action="store_true", help="also decode TPOT at B = 8 in this process")
     ap.add_argument("--cold", action="store_true", help="cold start in fresh processes")
     ap.add_argument("--phases", action="store_true", help="import / load / first-token seconds of the engine directory")
+    ap.add_argument("--aot", choices=("inductor", "none"), default=None, help="hybrid export --aot (default: export's)")
     ap.add_argument("--out", default=None, help="result file (.json; a .md beside it)")
     args = ap.parse_args(argv)
     rows = []
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         d = work / model
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "runtime.cli", "export", model, str(d), "--device", args.device],
+        aot = ["--aot", args.aot] if args.aot else []
+        p = subprocess.run([sys.executable, "-m", "runtime.cli", "export", model, str(d), "--device", args.device, *aot],
                            capture_output=True, text=True, timeout=900)
         row = {"model": model, "export_s": round(time.perf_counter() - t0, 1), "export_rc": p.returncode}
         log("export", f"{model}: rc {p.returncode} in {row['export_s']} s; {p.stderr.strip().splitlines()[-1:]}")
