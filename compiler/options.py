@@ -28,23 +28,39 @@ class Options:
         known = {f.name for f in fields(cls)}
         for key, value in (options or {}).items():
             if key in PASS_NAMES:
-                opts.passes[key] = bool(value)
+                opts.passes[key] = _switch(key, value)
             elif key == "disable":
                 names = [value] if isinstance(value, str) else list(value)
                 for name in names:
                     _check_pass(name)
                     opts.passes[name] = False
             elif key == "passes":
-                for name, on in dict(value).items():
+                if not isinstance(value, dict):
+                    raise ValueError(f"hybrid option 'passes' takes a dict of pass name -> True / False, got "
+                                     f"{type(value).__name__} {value!r}")
+                for name, on in value.items():
                     _check_pass(name)
-                    opts.passes[name] = bool(on)
+                    opts.passes[name] = _switch(f"passes[{name!r}]", on)
             elif key in known:
+                want = type(getattr(opts, key))
+                if want is bool:
+                    value = _switch(key, value)
+                elif not isinstance(value, want):
+                    raise ValueError(f"hybrid option {key!r} takes a {want.__name__}, got {type(value).__name__} "
+                                     f"{value!r}")
                 setattr(opts, key, value)
             else:
                 raise ValueError(
                     f"unknown hybrid option {key!r}. Known options: {', '.join(sorted(known | {'disable'}))}, "
                     f"and one switch per pass: {', '.join(PASS_NAMES)} (e.g. options={{'moe': False}})")
         return opts
+
+
+def _switch(key: str, value) -> bool:
+    """A switch's value: True or False (also 0 / 1), never a string that ``bool`` would read as True."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"hybrid option {key!r} is a switch and takes True or False, got {type(value).__name__} {value!r}")
 
 
 def _check_pass(name: str) -> None:

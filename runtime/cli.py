@@ -308,8 +308,10 @@ def cmd_export(args) -> int:
 def cmd_zoo(args) -> int:
     from . import zoo
     if args.zoo_cmd == "list":
+        wn = max(len(e.name) for e in zoo.ZOO.values())
+        wt = max(len(e.model_type) for e in zoo.ZOO.values())
         for e in zoo.ZOO.values():
-            print(f"{e.name:24s} {e.model_type:12s} {'realistic ' if e.realistic else ''}{e.note}")
+            print(f"{e.name:{wn}s}  {e.model_type:{wt}s}  {'realistic ' if e.realistic else ''}{e.note}")
         return 0
     _say(f"building {args.name} ...")
     path = zoo.save(args.name, args.dir, dtype=_dtype(args.dtype), force=args.force)

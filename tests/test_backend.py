@@ -43,6 +43,18 @@ def test_unknown_option_is_a_clear_error():
     assert opts.passes == {"moe": False, "ssm": False} and opts.verify
 
 
+@pytest.mark.parametrize("options, says", [({"verify": "yes"}, "'verify' is a switch"),
+                                           ({"moe": "off"}, "'moe' is a switch"),
+                                           ({"passes": {"ssm": "no"}}, "passes\\['ssm'\\]"),
+                                           ({"passes": ["ssm"]}, "'passes' takes a dict"),
+                                           ({"inductor_config": "max_autotune"}, "'inductor_config' takes a dict")])
+def test_an_option_of_the_wrong_type_is_a_clear_error(options, says):
+    """A string for a switch would read as True through bool(): "off" must not turn a pass on."""
+    with pytest.raises(ValueError, match=says):
+        Options.parse(options)
+    assert Options.parse({"verify": 1, "moe": 0}).passes == {"moe": False}
+
+
 def test_inductor_gets_the_gpu_defaults_and_user_config_wins(monkeypatch):
     """A graph on CUDA tensors compiles with combo kernels (and Inductor's PDL where ours is on: Hopper, HYBRID_PDL not 0); a CPU
     graph with neither; a key in options["inductor_config"] or TORCHINDUCTOR_ENABLE_PDL in the environment overrides
