@@ -121,7 +121,8 @@ def in_process_tpot(args, prompt: list[int], out_len: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama")
-    ap.add_argument("--rates", default="1,4,16,inf", help="requests/s, comma-separated; inf: all at once")
+    ap.add_argument("--rates", default="1,4,16,inf", help="requests/s, comma-separated; inf: all at once; "
+                    "0.8peak: 80%% of the requests/s the inf rate before it measured")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", default="32,256", help="min,max prompt tokens (uniform)")
     ap.add_argument("--output-len", default="32,128", help="min,max output tokens (uniform)")
@@ -158,8 +159,19 @@ def main(argv=None) -> int:
         alone["rate"] = "one client"
         rows.append(alone)
         log("serve", f"one client: TPOT {alone['tpot_p50_ms']} ms")
-        for rate in [float(r) for r in args.rates.split(",")]:
+        peak = None
+        for spec in args.rates.split(","):
+            if spec.endswith("peak"):  # a share of the throughput the "inf" row measured before it
+                if peak is None:
+                    raise SystemExit(f"--rates: {spec} needs an 'inf' rate before it")
+                rate = round(float(spec[:-4] or 1) * peak, 3)
+            else:
+                rate = float(spec)
             row = asyncio.run(run_rate(url, requests, rate, args.seed))
+            if spec.endswith("peak"):
+                row["rate_of_peak"] = spec
+            if rate == float("inf"):
+                peak = row["req_per_s"]
             rows.append(row)
             log("serve", f"rate {rate}: {row['req_per_s']} req/s, {row['out_tok_per_s']} tok/s, TTFT p50/p99 "
                          f"{row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, TPOT p50/p99 {row['tpot_p50_ms']}/"
@@ -169,7 +181,7 @@ def main(argv=None) -> int:
         proc.wait(60)
     engine_tpot = in_process_tpot(args, *probe)
     log("serve", f"in-process engine: TPOT {engine_tpot:.2f} ms (served alone: {alone['tpot_p50_ms']} ms)")
-    cols = ["rate", "completed", "errors", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+    cols = ["rate", "rate_of_peak", "completed", "errors", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
             "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms"]
     table = "\n".join(["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
                       + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])

@@ -286,6 +286,9 @@ def cmd_serve(args) -> int:
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_num_seqs=args.max_num_seqs, allow_missing_weights=args.allow_missing_weights,
                                     trust_remote_code=args.trust_remote_code)
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        engine.warmup(args.warmup_context, progress=lambda msg: _say(f"[{time.perf_counter() - t0:6.1f}s] {msg}"))
     name = args.served_model_name or args.model
     _say(f"serving {name} on http://{args.host}:{args.port}/v1 (completions, chat/completions, models; /health)")
     serve(engine, name, args.host, args.port, log_level="debug" if _debug(args) else args.log_level)
@@ -469,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", help="the model name clients give (default: MODEL as given)")
     sv.add_argument("--max-num-seqs", type=_int_at_least(1), default=None,
                     help="requests decoded together (default 32, or an engine directory's --max-batch where lower)")
+    sv.add_argument("--no-warmup", action="store_true",
+                    help="skip the warm-up before listening (then the first requests of each shape compile and "
+                    "record CUDA graphs while they are served)")
+    sv.add_argument("--warmup-context", type=_int_at_least(1), default=None, metavar="TOKENS",
+                    help="longest context whose decode CUDA graphs the warm-up records (default: the model's limit, "
+                    "the cache's capacity or 8192, whichever is least; longer ones record on first use)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="the HTTP server's log (info: one line per request)")
     sv.set_defaults(fn=cmd_serve)

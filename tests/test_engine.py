@@ -766,3 +766,52 @@ def test_step_maps_fall_back_to_torch_when_the_kernel_fails(monkeypatch):
     want = maps.step_maps(table, pads, 32, 1, 16, 0)
     assert all(torch.equal(a, b) for a, b in zip(got[:5], want[:5]))
     assert all(torch.equal(a, b) for a, b in zip(run(table, pads, 32, 1, 16, 0)[:5], want[:5]))  # torch from now on
+
+
+@pytest.mark.parametrize("name", ["llama", "mamba2"])
+def test_warmup_compiles_ahead_and_leaves_no_trace(name):
+    """After ``Engine.warmup()`` requests of new prompt lengths and batch sizes compile nothing (dynamo's frame
+    counter stays), give HF's greedy tokens, and find the engine's statistics and cache as the warm-up left them:
+    empty."""
+    from torch._dynamo.utils import counters
+    engine = Engine(zoo.build(name), compile="hybrid-eager", max_num_seqs=4, max_num_batched_tokens=256)
+    lines = []
+    report = engine.warmup(max_context=64, progress=lines.append)
+    assert report["prefill_tokens"][0] == 16 and report["prefill_tokens"][-1] <= 256 and lines[-1].startswith(
+        "warm-up done")
+    assert engine.stats["steps"] == 0 and not engine.has_unfinished()
+    if engine.blocks is not None:
+        assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+    frames = counters["frames"]["total"]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2] * 7]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5))
+    assert counters["frames"]["total"] == frames, "a request compiled after the warm-up"
+    torch._dynamo.reset()
+    assert [o.token_ids for o in outs] == [hf_greedy(name, p, 5) for p in prompts]
+    engine.add_request([5, 6], SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="before the first request"):
+        engine.warmup()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "qwen3_next"])
+def test_warmup_records_every_decode_graph(name):
+    """With CUDA graphs the warm-up records one decode graph per (batch bucket, key width) up to its context:
+    later decode steps of those shapes record nothing and compile nothing, and their tokens are HF's."""
+    from torch._dynamo.utils import counters
+
+    from runtime.engine.model_runner import DECODE_BUCKETS
+    model = zoo.build(name, device="cuda")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2] * 7]
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
+    engine = Engine(model, compile="hybrid-cudagraphs", max_num_seqs=8, block_size=4)
+    report = engine.warmup(max_context=64)
+    widths = 5 if engine.cache.attention else 1  # 4, 8, ..., 64 keys
+    assert report["graphs"] == len([b for b in DECODE_BUCKETS if b <= 8]) * widths
+    graphs, frames = len(engine.runner._graphs), counters["frames"]["total"]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert (len(engine.runner._graphs), counters["frames"]["total"]) == (graphs, frames)
+    torch._dynamo.reset()
+    assert [o.token_ids for o in outs] == ref

@@ -268,7 +268,7 @@ def test_a_failing_step_is_a_json_500_and_the_server_goes_on():
 
 
 def test_hybrid_serve_command(tmp_path):
-    """The CLI entry point, as a user starts it: it serves, and Ctrl-C stops it."""
+    """The CLI entry point, as a user starts it: it warms up, serves, and Ctrl-C stops it."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", MODEL, "--port", str(port), "--compile",
                              "none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -287,6 +287,7 @@ def test_hybrid_serve_command(tmp_path):
         proc.send_signal(2)
         out = proc.communicate(timeout=60)[0]
     assert f"serving {MODEL} on http://127.0.0.1:{port}/v1" in out and "Traceback" not in out
+    assert "warm-up done" in out.split("serving")[0], "the server listened before its warm-up"
 
 
 def test_a_model_without_tokenizer_serves_token_ids_only(alone):

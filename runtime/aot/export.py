@@ -2,7 +2,7 @@
 runtime/engine/exported.py, which reads it back).
 
 The model runs in an engine built without compiling, over requests that reach every kind of model call the engine
-makes (``_workload``); ``Capture`` exports each kind once, after hybrid's passes. The engine's plan (cache layers,
+makes (``runtime.engine.warmup.call_kinds``); ``Capture`` exports each kind once, after hybrid's passes. The engine's plan (cache layers,
 block size, paged decode, limits), the programs' bindings and every file's sha256 go into the manifest.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from runtime.engine.exported import FORMAT, MANIFEST, TRITON_CACHE, device_info, sha256, versions
+from runtime.engine.warmup import call_kinds, prompt_ids
 
 #: "inductor": every program also as an AOTInductor package; "none": the exported programs alone
 AOT_ROUTES = ("inductor", "none")
@@ -28,40 +29,6 @@ def _spec_json(spec) -> dict:
 
 
 # -- export ------------------------------------------------------------------------------------------------
-def _prompt(engine, n: int, seed: int) -> list[int]:
-    v = engine.vocab_size
-    return [(seed * 7 + 3 * i) % (v - 1) + 1 for i in range(n)]
-
-
-def _workload(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[list[list[int]], int]]:
-    """Requests that reach every kind of model call the engine makes: a one-token prompt; one and several sequences
-    decoding over one and several cache blocks; prefills of several tokens; and, where prompts are chunked, chunks
-    continuing a prompt, of one token and of several."""
-    p = lambda n, seed: _prompt(engine, min(n, max_len - 3), seed)  # noqa: E731
-    long = 2 * block_size + 3
-    # several sequences reach a decode step together only after each prompt's prefill step and the decode steps
-    # between them (the scheduler interleaves): four new tokens each get the pairs there
-    runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 4), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 4)]
-    if engine.prefill_note is None and chunk + 3 < max_len - 3:
-        runs += [([p(chunk + 3, 7)], 2), ([p(chunk + 1, 8)], 2)]
-    # a state layer's scan may branch on sizes where no range shows it (whole scan chunks or a padded one, one chunk
-    # or several), each branch a program: prompts around every scan chunk length, fresh and continuing a chunk
-    if engine.cache.states:
-        longest = min(2 * chunk if engine.prefill_note is None else chunk, max_len - 3)
-        edges = {n for c in _scan_chunks(engine.model) for k in (1, 2) for n in (k * c - 1, k * c, k * c + 1)}
-        lengths = sorted({2, 3, 4, 5} | edges | {chunk + n for n in {2, 3, 4, 5} | edges})
-        runs += [([p(n, 20 + n)], 1) for n in lengths if 2 <= n <= longest]
-    return runs
-
-
-def _scan_chunks(model) -> set[int]:
-    """The chunk lengths a model's scans may pad to: its configs' ``*chunk_size`` fields, and 64 (HF's chunked gated
-    delta rule)."""
-    configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
-    found = {v for c in configs for k, v in c.to_dict().items() if k.endswith("chunk_size") and isinstance(v, int)}
-    return {c for c in found | {64} if c > 1}
-
-
 def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[list[list[int]], int]]:
     """Requests for the sizes beyond the bound of a program (a branch of the model on a size bounds it), so that
     another program takes them: prompts one token past a bounded prompt length, contexts one block past a bounded
@@ -74,13 +41,13 @@ def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[lis
             if q_hi is not None and q_hi < chunk:
                 n = q_hi + 1 + (chunk if continuing else 0)
                 if n < max_len - 3:
-                    runs.append(([_prompt(cap.engine, n, 11)], 2))
+                    runs.append(([prompt_ids(cap.engine, n, 11)], 2))
             for name, per_key in (("block_table", block_size), ("gather_idx", 1)):
                 hi = spec.dims.get(name, [[None, None]] * 2)[1][1]
                 if hi is not None and (hi + 1) * per_key < max_len - 3:
                     n = (hi + 1) * per_key
                     several = "/bN/" in spec.key  # a program for several sequences: two decode together
-                    runs.append(([_prompt(cap.engine, n, 12)] + [_prompt(cap.engine, n, 13)] * several, 4))
+                    runs.append(([prompt_ids(cap.engine, n, 12)] + [prompt_ids(cap.engine, n, 13)] * several, 4))
     return runs
 
 
@@ -126,7 +93,7 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
                     max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda")
     engine.scheduler.max_prefill_seqs = 1  # a loaded directory prefills one prompt per step: its programs take one
     cap = Capture(engine, compile_options, progress).install()
-    runs = _workload(engine, block_size, chunk, max_seq_len)
+    runs = call_kinds(engine, block_size, chunk, max_seq_len)
     for _ in range(4):  # the workload, then requests for what its programs left out, while they add programs
         before = cap.count
         for prompts, n in runs:

@@ -672,6 +672,13 @@ class Engine:
             return "length"
         return None
 
+    def warmup(self, max_context: int | None = None, progress=None) -> dict:
+        """Compile and record now what the first requests would otherwise wait for (warmup.py): prefill steps of
+        several token counts, and with CUDA graphs every decode graph for contexts up to ``max_context`` tokens.
+        Call it before the first request (``hybrid serve`` does); ``progress`` gets one line per phase."""
+        from .warmup import warm_up
+        return warm_up(self, max_context, progress)
+
     def has_unfinished(self) -> bool:
         """Requests left, or a step still running ahead (its tokens may all be dropped)."""
         return self._ahead is not None or self.scheduler.has_work()

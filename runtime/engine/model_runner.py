@@ -351,6 +351,19 @@ class ModelRunner:
         self._advanced = (key, state[1], tuple(x + 1 for x in lengths), state[3])
         return out
 
+    def record_idle(self, batch: int, width: int) -> bool:
+        """Record the decode graph of (``batch`` bucket, ``width`` keys) ahead of use, over padding rows only (they
+        read and write the reserved block 0, as a bucket's padding rows do); False when it exists already. The
+        engine must have no decode running: the warm-up runs use state rows 0..batch-1 (restored afterwards)."""
+        if (batch, width) in self._graphs:
+            return False
+        host = [[0] * batch, [0] * batch]
+        if self.cache.attention:
+            host += [[0] * (batch * width // self.blocks.block_size), [width - 1] * batch]
+        self._capture(batch, width, host + [[0] * batch])
+        self._advanced = None
+        return True
+
     def _capture(self, batch: int, width: int, host: list[list[int]], device_ids: torch.Tensor | None = None):
         sizes = [len(x) for x in host]
         static_in = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
