@@ -815,3 +815,19 @@ def test_warmup_records_every_decode_graph(name):
     assert (len(engine.runner._graphs), counters["frames"]["total"]) == (graphs, frames)
     torch._dynamo.reset()
     assert [o.token_ids for o in outs] == ref
+
+
+def test_the_engine_compiles_past_dynamos_recompile_limit(monkeypatch):
+    """Each kind of call the engine makes (prefill and decode, one row and several) compiles even where dynamo's
+    recompile limit is lower than their number: past it dynamo would run the forward uncompiled, without hybrid's
+    kernels (on the GPU: HF's eager attention inside a recorded graph, and out of memory)."""
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 1)
+    engine = Engine(zoo.build("llama"), compile="hybrid-eager", max_num_seqs=4)
+    before = counters["frames"]["ok"]
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=4))
+    compiled = counters["frames"]["ok"] - before
+    torch._dynamo.reset()
+    assert compiled >= 3, f"only {compiled} graphs compiled: the others ran eagerly"
+    assert [o.token_ids for o in outs] == [hf_greedy("llama", p, 4) for p in PROMPTS]

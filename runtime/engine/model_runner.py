@@ -112,12 +112,12 @@ class ModelRunner:
         prepare_model(model)  # e.g. HF's Mamba1 scan as an opaque op from the first trace: no retrace
         # run_time_configs: ops pick launch configs per call, so the batch size never causes a recompile
         if compile in ("hybrid", "hybrid-cudagraphs"):  # cudagraphs: the runner records decode steps (_capture)
-            compiled = torch.compile(model.forward, backend="hybrid", dynamic=True,
-                                     options={**(compile_options or {}), "run_time_configs": True})
+            compiled = _recompiles_allowed(torch.compile(model.forward, backend="hybrid", dynamic=True,
+                                                         options={**(compile_options or {}), "run_time_configs": True}))
             return _frozen(compiled) if freeze_weights else compiled
         if compile == "hybrid-eager":  # our passes and reference ops, no Inductor (CPU tests)
-            return torch.compile(model.forward, backend="hybrid", dynamic=True,
-                                 options={**(compile_options or {}), "inductor": False, "run_time_configs": True})
+            return _recompiles_allowed(torch.compile(model.forward, backend="hybrid", dynamic=True, options={
+                **(compile_options or {}), "inductor": False, "run_time_configs": True}))
         raise ValueError(f"unknown compile mode {compile!r}: use None, 'hybrid', 'hybrid-cudagraphs' or 'hybrid-eager'")
 
     def _mask_keys(self, config) -> dict[str, bool] | None:
@@ -463,6 +463,22 @@ def record(graph, pool, body):
             raise RuntimeError(f"the model compiled again inside the capture call: a guard that held for the two "
                                f"warm-up runs failed (TORCH_LOGS=recompiles says which) [{e}]") from e
         raise
+
+
+#: graphs the engine's forward may compile: prefill and decode, fresh and continuing prompts, padded rows, and dynamo's
+#: specialisations of size 1 (one row, one cache block) of each; past dynamo's default limit (8) the forward would run
+#: uncompiled, without hybrid's kernels
+RECOMPILE_LIMIT = 64
+
+
+def _recompiles_allowed(compiled):
+    """``compiled`` called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` (for these calls only)."""
+    import torch._dynamo.config as dynamo_config
+
+    def run(*args, **kwargs):
+        with dynamo_config.patch(recompile_limit=max(RECOMPILE_LIMIT, dynamo_config.recompile_limit)):
+            return compiled(*args, **kwargs)
+    return run
 
 
 def _frozen(compiled):

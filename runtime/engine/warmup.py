@@ -50,8 +50,8 @@ def warm_up(engine, max_context: int | None = None, progress=None) -> dict:
     runs = call_kinds(engine, engine.blocks.block_size if engine.blocks is not None else 16,
                       min(engine.scheduler.max_prefill_tokens, max(8, context // 2)), context)
     for i, (prompts, n) in enumerate(runs):
-        if i % 8 == 0:
-            say(f"warm-up: call kinds {i + 1}-{min(i + 8, len(runs))} of {len(runs)}")
+        say(f"warm-up: call kind {i + 1} of {len(runs)} ({len(prompts)} x {len(prompts[0])} tokens, {n} new; "
+            f"{time.perf_counter() - t0:.1f} s)")
         _check(engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)))
     counts = _prefills(engine, context, say)
     graphs = _graphs(engine, context, say) if runner.graphs_enabled else 0
