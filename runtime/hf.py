@@ -1,4 +1,5 @@
-"""Small helpers that hide differences between transformers versions (5.17 on the GPU machine, 5.2x here)."""
+"""Small helpers that hide differences between the transformers versions hybrid supports (5.24 and later: the
+forward kwarg that takes the cache and the output field that returns it moved between releases)."""
 from __future__ import annotations
 
 import inspect
