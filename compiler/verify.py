@@ -15,6 +15,17 @@ def _clone(v):
     return v.clone() if isinstance(v, torch.Tensor) else v
 
 
+def _concrete(v):
+    """An example input as the run takes it: a symbolic size (a graph compiled for dynamic shapes) as the value it
+    has in this call (its hint), which is the size the example tensors have."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = v.node.hint
+        if hint is None:
+            raise ValueError(f"symbolic input {v} has no example value to verify with")
+        return type(hint)(hint)
+    return v
+
+
 class RegionRecorder(fx.Interpreter):
     """Interprets the graph; snapshots inputs at a region's first node and outputs after its last."""
 
@@ -42,7 +53,7 @@ class Verifier:
     def __init__(self, gm: fx.GraphModule, example_inputs: list, regions: list[Region]):
         self.regions = {r.key: r for r in regions}
         # Parameters are never written; everything else (caches, ids) is cloned so the run has no effect.
-        args = [x if isinstance(x, torch.nn.Parameter) else _clone(x) for x in example_inputs]
+        args = [x if isinstance(x, torch.nn.Parameter) else _clone(_concrete(x)) for x in example_inputs]
         self.recorder = RegionRecorder(gm, regions)
         with torch.no_grad():
             self.recorder.run(*args)

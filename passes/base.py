@@ -130,12 +130,23 @@ class PassContext:
         return None if tensor is None else self._params.get(id(tensor))
 
 
+#: attributes dynamo sets on graph nodes outside ``meta`` that Inductor reads (a placeholder's source: AOT autograd
+#: asserts every placeholder of a graph with symbolic sizes has one)
+NODE_ATTRS = ("_dynamo_source",)
+
+
 def copy_graph(graph: fx.Graph) -> fx.Graph:
-    """A node-for-node copy of ``graph`` (metadata included): the state a failed pass is rolled back to."""
+    """A node-for-node copy of ``graph`` (metadata and ``NODE_ATTRS`` included): the state a failed pass is rolled
+    back to."""
     new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
     new._codegen = graph._codegen
-    value, output = new.graph_copy(graph, {}, return_output_node=True)
+    copies: dict[fx.Node, fx.Node] = {}
+    value, output = new.graph_copy(graph, copies, return_output_node=True)
     new.output(value, output.type).meta = dict(output.meta)
+    for old, node in copies.items():
+        for attr in NODE_ATTRS:
+            if hasattr(old, attr):
+                setattr(node, attr, getattr(old, attr))
     return new
 
 

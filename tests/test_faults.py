@@ -92,6 +92,42 @@ def test_a_failure_outside_the_passes_compiles_the_graph_as_traced(monkeypatch):
                for n in _notes(report)), _notes(report)
 
 
+def test_a_graph_with_symbolic_sizes_rolled_back_still_compiles_with_inductor(monkeypatch):
+    """The rolled-back graph keeps what dynamo put on its placeholders outside ``meta`` (their sources, which AOT
+    autograd needs for symbolic sizes): the traced graph compiles with Inductor instead of running eagerly."""
+    import compiler.backend
+
+    def prepare(ctx):
+        raise KeyError("no such module")
+    monkeypatch.setattr(compiler.backend, "prepare_graph", prepare)
+    model = zoo.build("llama")
+    torch._dynamo.reset()
+    with torch.no_grad(), collect() as report:
+        compiled = torch.compile(model, backend="hybrid", dynamic=True)
+        for n in (7, 5):
+            ids = prompt(model, 1, n)
+            assert rel_err(compiled(ids).logits, model(ids).logits) < 1e-5
+    torch._dynamo.reset()
+    assert report.graphs and all(g.compiler == "inductor" for g in report.graphs), _notes(report)
+    assert not any("runs eagerly" in n for n in _notes(report)), _notes(report)
+
+
+@pytest.mark.slow
+def test_verify_mode_checks_graphs_with_symbolic_sizes():
+    """``verify`` runs the graph on the call's concrete sizes where dynamo made them symbolic: the regions are checked
+    and rewritten, nothing falls back, on prompt lengths the graph was not first compiled for."""
+    model = zoo.build("deepseek_v3")
+    torch._dynamo.reset()
+    with torch.no_grad(), collect() as report:
+        compiled = torch.compile(model, backend="hybrid", dynamic=True, options={"verify": True})
+        for n in (7, 5):
+            ids = prompt(model, 1, n)
+            assert rel_err(compiled(ids).logits, model(ids).logits) < 1e-4
+    torch._dynamo.reset()
+    assert not any("failed" in n or "skipped" in n for n in _notes(report)), _notes(report)
+    assert {r.kind for r in report.results if r.status == "rewritten"} >= {"mla", "moe"}, report.results
+
+
 def test_inductor_failing_on_the_rewrite_falls_back_to_the_traced_graph(monkeypatch):
     """compile_fx raises on a graph that holds hybrid ops: the graph is restored and compiled as traced (here the
     stand-in compile runs it eagerly), the rewritten regions are reported skipped."""
