@@ -153,14 +153,55 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+#: where a rank started by ``_launch_ranks`` writes its one-line error, for the launcher to say when rank 0 cannot
+RANK_ERROR_ENV = "HYBRID_RANK_ERROR_FILE"
+
+
 def _launch_ranks(tp: int, argv: list[str]) -> int:
-    """``hybrid generate ... --tensor-parallel N`` outside torchrun: the same command on N ranks under torchrun
-    (one host), whose agent ends every rank when one fails."""
+    """``hybrid generate ... --tensor-parallel N`` outside torchrun: the same command on N ranks of this host (the
+    environment torchrun --standalone gives: RANK, LOCAL_RANK, WORLD_SIZE, a free local port). When a rank fails the
+    others are ended, the command exits with that rank's code, and its one-line error is said once (by rank 0, or
+    here for another rank), with no launcher traceback."""
+    import socket
     import subprocess
-    _say(f"starting {tp} ranks (torchrun --standalone --nproc-per-node {tp}) ...")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
-           "runtime.cli", *argv]
-    return subprocess.run(cmd).returncode
+    import tempfile
+    import time
+    _say(f"starting {tp} ranks on this host ...")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="hybrid-ranks-") as tmp:
+        files = [os.path.join(tmp, f"rank{r}.err") for r in range(tp)]
+        procs = [subprocess.Popen([sys.executable, "-m", "runtime.cli", *argv],
+                                  env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(tp),
+                                       "LOCAL_WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port), RANK_ERROR_ENV: files[r]})
+                 for r in range(tp)]
+        failed: tuple[int | None, int] = (None, 0)
+        try:
+            while failed == (None, 0):
+                codes = [p.poll() for p in procs]
+                failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), failed)
+                if all(c == 0 for c in codes):
+                    return 0
+                time.sleep(0.05)
+        except KeyboardInterrupt:  # the ranks, in this process group, got the interrupt too
+            failed = (0, 130)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        rank, code = failed
+        said = lambda r: os.path.exists(files[r]) and open(files[r]).read().strip()  # noqa: E731
+        if rank and not said(0):  # rank 0 says its own errors; another rank's is said here
+            _say(f"hybrid: error: rank {rank}: " + (said(rank) or f"exited with code {code}"))
+        return code
 
 
 def _join_ranks(tp: int, device: str | None) -> str | None:
@@ -450,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_sampling("seed", int))
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
     g.add_argument("--tensor-parallel", type=_int_at_least(1), default=1, metavar="N",
-                   help="split the model over N processes (torch.distributed; started with torchrun on this host)")
+                   help="split the model over N processes (torch.distributed; started on this host, or run it "
+                        "under torchrun)")
     g.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel: split MoE experts over the ranks by expert, not by width")
     g.add_argument("--expert-placement", metavar="FILE",
@@ -540,11 +582,18 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         if isinstance(e, EXPECTED):
-            _say(f"hybrid: error: {_message(e)}")
-            return 2
-        _say(f"hybrid: error: {type(e).__name__}: {_message(e)} (a failure of the run: --debug or HYBRID_DEBUG=1 "
-             "shows the traceback)")
-        return 1
+            return _error(_message(e), 2)
+        return _error(f"{type(e).__name__}: {_message(e)} (a failure of the run: --debug or HYBRID_DEBUG=1 shows the "
+                      "traceback)", 1)
+
+
+def _error(msg: str, code: int) -> int:
+    """Say ``msg`` as the command's one-line error (a rank of ``_launch_ranks`` also leaves it for the launcher)."""
+    if os.environ.get(RANK_ERROR_ENV):
+        with open(os.environ[RANK_ERROR_ENV], "w") as f:
+            f.write(msg)
+    _say(f"hybrid: error: {msg}")
+    return code
 
 
 if __name__ == "__main__":

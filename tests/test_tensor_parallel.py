@@ -248,7 +248,7 @@ def test_one_rank_runs_no_collective_and_gives_the_plain_tokens(tmp_path):
 
 
 def test_cli_starts_its_ranks_and_prints_once():
-    """``hybrid generate --tensor-parallel 2`` outside torchrun relaunches itself on two ranks (torchrun, gloo);
+    """``hybrid generate --tensor-parallel 2`` outside torchrun relaunches itself on two ranks (gloo);
     rank 0 prints the outputs, which equal one process's."""
     import subprocess
     cmd = [sys.executable, "-m", "runtime.cli", "generate", "llama", "--prompt-ids", "5,6,7,8", "--prompt-ids",
@@ -260,6 +260,18 @@ def test_cli_starts_its_ranks_and_prints_once():
     tokens = lambda out: [o["token_ids"] for o in json.loads(out)["outputs"]]  # noqa: E731
     assert tokens(two.stdout) == tokens(one.stdout)
     assert two.stderr.count("loading llama") == 1
+
+
+def test_cli_rank_errors_are_one_line():
+    """A bad request under ``--tensor-parallel 2``: every rank refuses it, the command says so once in one line and
+    exits 2, as one process does (no launcher traceback)."""
+    import subprocess
+    cmd = [sys.executable, "-m", "runtime.cli", "generate", "llama", "--prompt-ids", "5,99999", "--compile", "none",
+           "--tensor-parallel", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.count("hybrid: error:") == 1 and "outside the vocabulary" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def _dying_worker(rank: int, port: int, out_dir: str):

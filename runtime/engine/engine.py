@@ -581,7 +581,7 @@ class Engine:
         self._rank_failure = (f"Engine: a step failed on rank {dist.get_rank(self.tp_group)} of "
                               f"{dist.get_world_size(self.tp_group)} ({' '.join(f'{type(error).__name__}: {error}'.split())[:400]}); "
                               "the ranks no longer run the same steps, so this engine has stopped: start every rank "
-                              "again (under torchrun, a rank that exits ends the others)")
+                              "again (under hybrid's CLI or torchrun, a rank that exits ends the others)")
         log.error("hybrid engine: %s", self._rank_failure)
         return distributed.RankFailure(self._rank_failure)
 
