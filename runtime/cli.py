@@ -225,6 +225,9 @@ def _check_expert_flags(args) -> None:
     if (args.expert_placement or args.save_expert_placement) and not args.expert_parallel:
         raise ValueError("--expert-placement and --save-expert-placement place experts over ranks: add "
                          "--expert-parallel (and --tensor-parallel N)")
+    if args.redundant_experts and not args.save_expert_placement:
+        raise ValueError(f"--redundant-experts {args.redundant_experts} sizes the placement --save-expert-placement "
+                         "writes: add --save-expert-placement FILE (and --expert-parallel), or leave it out")
     if args.redundant_experts % args.tensor_parallel:
         raise ValueError(f"--redundant-experts {args.redundant_experts}: give a multiple of --tensor-parallel "
                          f"{args.tensor_parallel} (every rank gets as many slots)")

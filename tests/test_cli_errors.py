@@ -380,3 +380,19 @@ def test_disable_takes_only_pass_names(run_cli):
     assert list(cli.PASSES) == passes.PASS_NAMES
     code, out, err = run_cli("explain", "llama", "--disable", "bogus")
     assert code == 2 and out == "" and err.count("\n") == 1 and "invalid choice: 'bogus'" in err and "glu" in err
+
+
+def test_flags_that_would_do_nothing_are_refused(run_cli):
+    """A flag that only sizes what another flag does is refused without it, in one line naming the missing flag."""
+    code, out, err = run_cli("generate", "llama", "--prompt-ids", "5,6", "--redundant-experts", "2")
+    assert code == 2 and not out and "add --save-expert-placement" in err, err
+
+
+def test_an_engine_directory_given_to_export_or_explain_is_named_as_one(tmp_path, run_cli):
+    """export and explain take a model: an engine directory is named as what it is (not as one missing a manifest)."""
+    engine = tmp_path / "eng"
+    assert run_cli("export", "llama", engine, "--device", "cpu", "--max-batch", "2", "--max-seq-len", "32",
+                   "--aot", "none")[0] == 0
+    for command in (["export", engine, tmp_path / "again"], ["explain", engine]):
+        code, out, err = run_cli(*command)
+        assert code == 2 and "is an engine directory: `hybrid generate` and `hybrid serve` run it" in err, err

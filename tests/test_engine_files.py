@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,10 +155,16 @@ def _flip_byte(path):
     (_edit_manifest(lambda m: m["versions"].update(torch="2.0.0")), "exported with torch 2.0.0"),
     (_edit_manifest(lambda m: m["device"].update(kind="cuda", capability="9.0")), "is a cuda engine"),
     (lambda p: (p / "manifest.json").write_text("{"), "is not a readable manifest"),
-], ids=["checksum", "missing", "format", "torch", "device", "manifest"])
+    (_edit_manifest(lambda m: m["files"].pop("weights.safetensors")), "lists no checksum for weights.safetensors"),
+    (_edit_manifest(lambda m: m["files"].update({"../x": "0"})), "lists ../x, outside the engine directory"),
+    (_edit_manifest(lambda m: m["engine"].update(max_batch="lots")), "malformed engine entry 'max_batch' ('lots')"),
+    (_edit_manifest(lambda m: m.update(dtype="torch.bogus")), "malformed dtype ('torch.bogus')"),
+    (_edit_manifest(lambda m: m["engine"]["specs"].pop()), "malformed program"),
+], ids=["checksum", "missing", "format", "torch", "device", "manifest", "unlisted", "outside", "plan", "dtype",
+        "layers"])
 def test_a_directory_that_does_not_fit_is_one_line(exported, tmp_path, capsys, change, message):
     path = _broken(exported, tmp_path, change)
-    with pytest.raises(EngineFileError, match=message.replace("(", r"\(")):
+    with pytest.raises(EngineFileError, match=re.escape(message)):
         Engine.from_engine(path)
     if "cuda" in message:  # asked for the CPU by name
         with pytest.raises(EngineFileError, match="is a cuda engine, asked to run on cpu"):

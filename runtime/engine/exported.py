@@ -252,8 +252,19 @@ def check_manifest(path: Path, manifest: dict, device: torch.device) -> None:
     if device.type == "cuda" and device_info(device)["capability"] != want["capability"]:
         raise EngineFileError(f"{path} was exported for GPU architecture sm {want['capability']} ({want['name']}); "
                               f"this GPU is sm {device_info(device)['capability']}: export it again on this GPU")
+    held = {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() and f.name != MANIFEST
+            and not f.name.startswith(".") and f.relative_to(path).parts[0] != TRITON_CACHE}
+    needed = {"config.json", "weights.safetensors", "consts.safetensors"} | {
+        p[k] for p in manifest["programs"] if isinstance(p, dict) for k in ("file", "package") if isinstance(p.get(k), str)}
+    unlisted = sorted((held | needed) - set(manifest["files"]))
+    if unlisted:
+        raise EngineFileError(f"{path / MANIFEST} lists no checksum for {', '.join(unlisted[:3])}: the manifest was "
+                              "changed or the directory holds files it did not write; export the engine again")
     for rel, digest in manifest["files"].items():
         file = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise EngineFileError(f"{path / MANIFEST} lists {rel}, outside the engine directory: export the engine "
+                                  "again")
         if not file.is_file():
             raise EngineFileError(f"{file} is missing from the engine directory: copy the whole directory again")
         if sha256(file) != digest:
@@ -279,6 +290,37 @@ def _load_package(path: Path, spec: ProgramSpec):
         return None
 
 
+#: the engine plan's entries a load reads, with their types (ints: positive)
+PLAN_TYPES = {"specs": list, "block_size": int, "paged_decode": bool, "latent": bool, "max_batch": int,
+              "max_seq_len": int, "max_prefill_tokens": int, "model_class": str}
+
+
+def parse_plan(path: Path, manifest: dict) -> tuple[torch.dtype, list[ProgramSpec], dict]:
+    """The manifest's dtype, program specs and engine plan, checked: an entry of the wrong type, a layer spec that does
+    not parse, or a program reading a cache layer the plan does not have is an EngineFileError naming it."""
+    def malformed(what: str) -> EngineFileError:
+        return EngineFileError(f"{path / MANIFEST} has a malformed {what}: export the engine again")
+    dtype = getattr(torch, str(manifest["dtype"]).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise malformed(f"dtype ({manifest['dtype']!r})")
+    plan = dict(manifest["engine"])
+    for name, kind in PLAN_TYPES.items():
+        value = plan.get(name)
+        if type(value) is not kind or (kind is int and value < 1):
+            raise malformed(f"engine entry {name!r} ({value!r})")
+    try:
+        plan["specs"] = [_spec_from_json(d) for d in plan["specs"]]
+        specs = [ProgramSpec.from_json(d) for d in manifest["programs"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise malformed(f"layer or program entry ({type(e).__name__}: {e})") from None
+    for spec in specs:  # cache tensors are named "<what>.<layer>"
+        for name in [n for _, n in spec.inputs] + list(spec.states):
+            layer = name.rpartition(".")[2]
+            if layer.isdigit() and int(layer) >= len(plan["specs"]):
+                raise malformed(f"program {spec.file} (it reads {name}, the plan has {len(plan['specs'])} layers)")
+    return dtype, specs, plan
+
+
 def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None):
     """The ExportedModel of an engine directory (checked: ``check_manifest``) and its tokenizer (or None)."""
     from safetensors.torch import load_file
@@ -300,6 +342,7 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
         raise EngineFileError(f"{path} was exported in {manifest['dtype'].replace('torch.', '')}, asked for "
                               f"{str(dtype).replace('torch.', '')}: leave --dtype unset, or export it again")
     check_manifest(path, manifest, dev)
+    want, specs, plan = parse_plan(path, manifest)
     if (path / TRITON_CACHE).is_dir() and "TRITON_CACHE_DIR" not in os.environ:
         os.environ["TRITON_CACHE_DIR"] = str((path / TRITON_CACHE).resolve())
     config = AutoConfig.from_pretrained(path)
@@ -307,7 +350,6 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
         generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
         generation_config = None
-    want = getattr(torch, manifest["dtype"].replace("torch.", ""))
     # the model's dtype first: the engine takes its cache dtype from the first parameter (float32 buffers such as
     # RoPE's inverse frequencies come after)
     loaded = load_file(str(path / "weights.safetensors")).items()
@@ -315,8 +357,7 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
     consts = {k: v.to(dev) for k, v in load_file(str(path / "consts.safetensors")).items()}
     programs = {}
     packaged = os.environ.get(ROUTE_ENV, "packaged") != "exported"
-    for d in manifest["programs"]:
-        spec = ProgramSpec.from_json(d)
+    for spec in specs:
         program = _load_package(path, spec) if packaged and spec.package else None
         if program is None:
             try:
@@ -325,8 +366,6 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
                 raise EngineFileError(f"{path / spec.file} does not load as an exported program ({type(e).__name__}: "
                                       f"{' '.join(str(e).split())[:200]}): export the engine again") from None
         programs.setdefault(spec.key, []).append((spec, program))
-    plan = dict(manifest["engine"])
-    plan["specs"] = [_spec_from_json(s) for s in plan["specs"]]
     model = ExportedModel(config, generation_config, plan, programs, weights, consts)
     tokenizer = zoo.load_tokenizer(str(path)) if (path / "tokenizer_config.json").is_file() else None
     return model, tokenizer
