@@ -262,8 +262,8 @@ def _read_json(file: Path) -> dict:
     except UnicodeDecodeError:
         raise LoadError(f"{file} is not a text file (JSON expected): copy it again or re-create it") from None
     except json.JSONDecodeError as e:
-        raise LoadError(f"{file} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}): fix it, copy it "
-                        "again or re-create it") from None
+        raise LoadError(f"{file} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}): "
+                        "fix it, copy it again or re-create it") from None
     if not isinstance(data, dict):
         raise LoadError(f"{file} holds a JSON {type(data).__name__} where an object {{...}} is expected")
     return data
@@ -294,8 +294,8 @@ def _check_weight_files(path: Path) -> None:
     if not any((path / f).is_file() for f in WEIGHT_FILES):
         if (path / "programs").is_dir() and (path / "weights.safetensors").is_file():
             if (path / "manifest.json").is_file():
-                raise LoadError(f"{path} is an engine directory: `hybrid generate` and `hybrid serve` run it; export and "
-                                "explain take the model it was exported from (a zoo name or an HF model directory)")
+                raise LoadError(f"{path} is an engine directory: `hybrid generate` and `hybrid serve` run it; export "
+                                "and explain take the model it was exported from (a zoo name or an HF model directory)")
             raise LoadError(f"{path} looks like an engine directory (programs/, weights.safetensors) without its "
                             "manifest.json: export the engine again (an engine directory is not a model to export)")
         raise LoadError(f"{path} has no weights (none of {', '.join(WEIGHT_FILES)}): copy the checkpoint's weight "

@@ -255,7 +255,8 @@ def check_manifest(path: Path, manifest: dict, device: torch.device) -> None:
     held = {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() and f.name != MANIFEST
             and not f.name.startswith(".") and f.relative_to(path).parts[0] != TRITON_CACHE}
     needed = {"config.json", "weights.safetensors", "consts.safetensors"} | {
-        p[k] for p in manifest["programs"] if isinstance(p, dict) for k in ("file", "package") if isinstance(p.get(k), str)}
+        p[k] for p in manifest["programs"] if isinstance(p, dict) for k in ("file", "package")
+        if isinstance(p.get(k), str)}
     unlisted = sorted((held | needed) - set(manifest["files"]))
     if unlisted:
         raise EngineFileError(f"{path / MANIFEST} lists no checksum for {', '.join(unlisted[:3])}: the manifest was "
