@@ -334,7 +334,7 @@ class Engine:
         check_options(kwargs)
         if kwargs.get("compile", "auto") != "auto" or kwargs.get("compile_options") or kwargs.get("freeze_weights"):
             raise ValueError("Engine.from_engine: an engine directory is compiled already: leave compile, "
-                             "compile_options and freeze_weights unset")
+                             "compile_options and freeze_weights unset (on the command line: leave out --compile)")
         model, tokenizer = load_model(path, device, dtype)
         return cls(model, tokenizer=tokenizer, **kwargs)
 
