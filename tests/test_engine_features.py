@@ -207,3 +207,38 @@ def test_a_batched_prefill_that_fails_on_the_probe_makes_prefills_single(monkeyp
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [list(o.token_ids) for o in outs] == want
     assert engine.stats["failed_steps"] == 0
+
+
+def test_longrope_runs_up_to_where_a_batch_leaves_it_alone():
+    """HF's longrope takes one set of factors per forward call from the call's longest position, so past
+    ``original_max_position_embeddings`` a batch's rows would change each other's rotations (tokens differed with no
+    error). The engine runs such a model up to that length: there batched tokens equal each prompt's HF generate,
+    and a longer request is refused in one line that says why."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0] * 8, "long_factor": [100.0] * 8}
+    model = _model("llama", max_position_embeddings=64, initializer_range=0.5, rope_parameters=rope)
+    engine = Engine(model, compile=None, block_size=4)
+    assert engine.max_model_len == 24
+    prompts = [[5, 6, 7], list(range(30, 42)), list(range(60, 76))]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8))] == want
+    with pytest.raises(ValueError, match="maximum length of 24 tokens .its longrope RoPE"):
+        engine.generate([list(range(5, 25))], SamplingParams(max_tokens=8))
+
+
+def test_the_longrope_limit_matters(monkeypatch):
+    """Without the limit, a prompt past ``original_max_position_embeddings`` batched with a short one changes the short
+    one's tokens: the case the limit exists for."""
+    import runtime.engine.engine as engine_module
+    monkeypatch.setattr(engine_module, "batch_rope_limit", lambda cfg: None)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0] * 8, "long_factor": [100.0] * 8}
+    model = _model("llama", max_position_embeddings=64, initializer_range=0.5, rope_parameters=rope)
+    prompts = [[5, 6, 7], list(range(30, 60))]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    got = [o.token_ids for o in Engine(model, compile=None, block_size=4).generate(prompts, SamplingParams(max_tokens=8))]
+    assert got[0] != want[0] and got[1] == want[1], (got, want)

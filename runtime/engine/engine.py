@@ -23,7 +23,7 @@ from runtime.hf import cache_kwarg
 
 from .allocator import BlockAllocator, SlotAllocator
 from .cache import PagedCache, discover_layers, chunking_problem
-from .features import Unsupported, check_model, own_attention
+from .features import Unsupported, batch_rope_limit, check_model, own_attention
 from .model_runner import ModelRunner, decode_bucket
 from .scheduler import Scheduler, Step
 from .sequence import (RequestOutput, SamplingParams, Sequence, Status, TokenEvent, check_bool, check_int,
@@ -114,6 +114,14 @@ class Engine:
         text_config = model.config.get_text_config()  # a multimodal wrapper's language model config
         self.vocab_size = text_config.vocab_size
         self.max_model_len = getattr(text_config, "max_position_embeddings", None)
+        #: why max_model_len is shorter than the model's own maximum, where it is (said when a request exceeds it)
+        self.length_note = ""
+        rope_limit = batch_rope_limit(text_config)
+        if rope_limit is not None and (self.max_model_len is None or self.max_model_len > rope_limit):
+            self.max_model_len = rope_limit
+            self.length_note = (f" (its longrope RoPE picks one set of factors for a whole batch from its longest "
+                                f"sequence past {rope_limit} positions, so the engine runs sequences up to there)")
+            log.warning("hybrid engine: %s%s", type(model).__name__, self.length_note)
         self.eos = self._eos_ids(model)
         plan = getattr(model, "engine_plan", None)  # an engine directory's model (runtime/aot): found at export
         self.tp_group, self.shard_report = None, None
@@ -141,6 +149,7 @@ class Engine:
         unapplied = [s.window for s in specs if s.window_unapplied]
         if unapplied and (self.max_model_len is None or self.max_model_len > min(unapplied)):
             self.max_model_len = min(unapplied)
+            self.length_note = " (its cache keeps a sliding window that its attention does not apply)"
             log.warning("hybrid engine: %s's cache keeps a sliding window of %d keys that its attention does not apply "
                         "(HF's generate with a cache and its own forward differ past it): sequences are limited to %d "
                         "tokens, where both agree", type(model).__name__, self.max_model_len, self.max_model_len)
@@ -415,7 +424,7 @@ class Engine:
                 raise ValueError(f"{where}: {what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if self.max_model_len is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's maximum length of {self.max_model_len} tokens")
+                             f"model's maximum length of {self.max_model_len} tokens{self.length_note}")
         seq = Sequence(ids, params)
         self.scheduler.check(seq)
         if params.seed is not None:

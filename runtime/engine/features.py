@@ -69,6 +69,21 @@ def _check_config(cfg) -> None:
         raise Unsupported("chunked attention (attention_chunk_size)")
 
 
+def batch_rope_limit(cfg) -> int | None:
+    """The longest sequence for which the model's RoPE does not depend on the other rows of a call, or None when it
+    never does. HF's longrope takes its long or short factors for a whole forward call from the call's largest
+    position: past ``original_max_position_embeddings`` a batch's longest row would switch every row's rotations
+    (and a prompt's chunks would differ from the whole prompt). Up to it every call takes the short factors, as the
+    model alone does, so the engine runs such models up to that length."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return None
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    limits = [g.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+              for g in groups if (g.get("rope_type") or g.get("type")) == "longrope"]
+    return min((int(x) for x in limits if x), default=None)
+
+
 def check_model(model: nn.Module) -> None:
     """Raise ``Unsupported`` for a configuration or module feature the engine cannot run exactly."""
     import inspect
