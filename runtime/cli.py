@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -198,9 +199,9 @@ def _launch_ranks(tp: int, argv: list[str]) -> int:
                     p.kill()
                     p.wait()
         rank, code = failed
-        said = lambda r: os.path.exists(files[r]) and open(files[r]).read().strip()  # noqa: E731
-        if rank and not said(0):  # rank 0 says its own errors; another rank's is said here
-            _say(f"hybrid: error: rank {rank}: " + (said(rank) or f"exited with code {code}"))
+        said = [Path(f).read_text().strip() if Path(f).is_file() else "" for f in files]
+        if rank and not said[0]:  # rank 0 says its own errors; another rank's is said here
+            _say(f"hybrid: error: rank {rank}: " + (said[rank] or f"exited with code {code}"))
         return code
 
 
