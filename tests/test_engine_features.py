@@ -211,8 +211,8 @@ def test_a_batched_prefill_that_fails_on_the_probe_makes_prefills_single(monkeyp
 
 def test_longrope_runs_up_to_where_a_batch_leaves_it_alone():
     """HF's longrope takes one set of factors per forward call from the call's longest position, so past
-    ``original_max_position_embeddings`` a batch's rows would change each other's rotations (tokens differed with no
-    error). The engine runs such a model up to that length: there batched tokens equal each prompt's HF generate,
+    ``original_max_position_embeddings`` a batch's rows would change each other's rotations (the tokens would differ,
+    with no error). The engine runs such a model up to that length: there batched tokens equal each prompt's HF generate,
     and a longer request is refused in one line that says why."""
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
             "short_factor": [1.0] * 8, "long_factor": [100.0] * 8}
