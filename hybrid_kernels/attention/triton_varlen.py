@@ -1,0 +1,110 @@
+"""Packed variable-length attention over the paged key/value buffer, one Triton kernel (``varlen_attention_triton``).
+
+One program per (block of a sequence's queries, kv head): the block's ``BLOCK_T`` queries times the ``GROUP`` query
+heads that share the kv head form the rows of one tile, so each key row loaded from the pages serves every head of
+its group. Programs find their sequence by a binary search over ``cu_q`` (sequence s's blocks start at program
+``cu_q[s] // BLOCK_T + s``, so ``N // BLOCK_T + S`` programs cover every block of every sequence; the spare ones
+exit). Keys are read in place through the block table (no gather), scores in fp32 with an online softmax; a
+sequence's keys stop at its block's last query position (causal) and start at its first query's window."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sq_n, sq_h, sb_row, sb_h, so_n, so_h,
+                   s_tab, num_seqs, scale_log2, window, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   DK_P: tl.constexpr, DV_P: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:  # the last sequence whose first block starts at or before this program
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(cu_ptr + mid) // BLOCK_T + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    s = lo
+    q0 = tl.load(cu_ptr + s)
+    n = tl.load(cu_ptr + s + 1) - q0
+    t0 = (pid - (q0 // BLOCK_T + s)) * BLOCK_T
+    if t0 < n:
+        width = tl.load(ctx_ptr + s)
+        r = tl.arange(0, BLOCK_T * GROUP_P)
+        t = t0 + r // GROUP_P
+        g = r % GROUP_P
+        valid = (t < n) & (g < GROUP)
+        head = kvh * GROUP + g
+        tok = (q0 + t).to(tl.int64)
+        pos = width - n + t
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        q = tl.load(q_ptr + tok[:, None] * sq_n + head[:, None] * sq_h + dk[None, :],
+                    mask=valid[:, None] & (dk[None, :] < DK), other=0.0)
+        last = width - n + tl.minimum(t0 + BLOCK_T, n) - 1
+        k_lo = 0
+        if window > 0:
+            k_lo = tl.maximum(width - n + t0 - window + 1, 0)
+        m_i = tl.full([BLOCK_T * GROUP_P], -1e30, tl.float32)
+        l_i = tl.zeros([BLOCK_T * GROUP_P], tl.float32)
+        acc = tl.zeros([BLOCK_T * GROUP_P, DV_P], tl.float32)
+        row = buf_ptr + kvh * sb_h
+        for start in range(k_lo, last + 1, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j <= last
+            blk = tl.load(table_ptr + s * s_tab + j // BS, mask=jm, other=0)
+            slot = blk.to(tl.int64) * BS + j % BS
+            k = tl.load(row + slot[:, None] * sb_row + DV + dk[None, :], mask=jm[:, None] & (dk[None, :] < DK),
+                        other=0.0)
+            v = tl.load(row + slot[:, None] * sb_row + dv[None, :], mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            seen = jm[None, :] & (j[None, :] <= pos[:, None])
+            if window > 0:
+                seen = seen & ((pos[:, None] - j[None, :]) < window)
+            sc = tl.where(seen, sc * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (dv[None, :] < DV))
+
+
+def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
+                            ctx: torch.Tensor, v_dim: int, block_size: int, window: int,
+                            scale: float) -> torch.Tensor:
+    """``reference.varlen_attention_ref`` in one launch (same arguments, same result within rounding)."""
+    n_tok, hq, dk = q.shape
+    hkv = buf.shape[1]
+    group = hq // hkv
+    group_p = triton.next_power_of_2(group)
+    block_t = max(1, 64 // group_p)  # 64 rows per tile (queries x heads of the group), more for a larger group
+    out = torch.empty(n_tok, hq, v_dim, dtype=q.dtype, device=q.device)
+    num_seqs = ctx.shape[0]
+    if n_tok == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert buf.stride(-1) == 1 and block_table.stride(-1) == 1, "buffer rows and table rows must be contiguous"
+    dk_p, dv_p = triton.next_power_of_2(max(dk, 16)), triton.next_power_of_2(max(v_dim, 16))
+    grid = (n_tok // block_t + num_seqs, hkv)
+    _varlen_kernel[grid](q, buf, block_table, cu_q, ctx, out, q.stride(0), q.stride(1), buf.stride(0), buf.stride(1),
+                         out.stride(0), out.stride(1), block_table.stride(0), num_seqs, scale * LOG2E, window,
+                         GROUP=group, GROUP_P=group_p, BLOCK_T=block_t, BLOCK_N=64 if max(dk_p, dv_p) <= 128 else 32,
+                         DK=dk, DV=v_dim, DK_P=dk_p, DV_P=dv_p, BS=block_size, IEEE=q.dtype == torch.float32,
+                         num_warps=4, num_stages=2)
+    return out
