@@ -39,7 +39,8 @@ VARIANTS = ["hf-eager", "hf-static-compile", "hybrid-engine"]
 # hybrid-engine-tp1: the tensor-parallel code path on a one-rank process group (NCCL on the GPU, gloo on the CPU):
 # a copy of the model sharded by runtime.distributed.shard_model (every split block wrapped in its all-reduce),
 # so its TPOT against hybrid-engine in the same run is what the distributed path costs.
-EXTRA_VARIANTS = ["hybrid-engine-tp1"]
+# hybrid-engine-padded: the engine with packed steps off (prefills as left-padded rows, decodes between them)
+EXTRA_VARIANTS = ["hybrid-engine-tp1", "hybrid-engine-padded"]
 
 
 def tag(msg):
@@ -224,6 +225,7 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                                         max_prefill_tokens=max(args.prompt, 512), compile=args.compile,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
                                         freeze_weights=args.freeze_weights,
+                                        packed_steps=False if variant == "hybrid-engine-padded" else None,
                                         compile_options=parse_options(args.compile_options))
                     tag(f"{name} {variant} B={b}: warm-up (compiles, records graphs)")
                     engine_generate(engine, prompts, 8)

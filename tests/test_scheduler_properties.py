@@ -1,6 +1,6 @@
 """Property-based test of the scheduler and the allocators (hypothesis): any sequence of add / step / abort / preempt
-(and the reservations of a step launched ahead) keeps the bookkeeping whole. No block is owned twice, never block 0;
-free + owned blocks = all of them; every running sequence holds the blocks of its cached tokens and a state row, the
+(and the reservations of a step launched ahead), with padded or packed steps, keeps the bookkeeping whole. No block
+is owned twice, never block 0; free + owned blocks = all of them; every running sequence holds the blocks of its cached tokens and a state row, the
 rows stay compact (row i is the i-th running sequence's, holding its state after the queued moves); the scheduler
 always has a step while work is left, and draining the queue frees everything."""
 from hypothesis import HealthCheck, settings
@@ -16,9 +16,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 14), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 4),
                 max_prefill_tokens=st.integers(1, 6), kind=st.sampled_from(["attention", "ssm", "hybrid"]),
                 chunked=st.booleans(), batched_tokens=st.integers(1, 16), batch_prefill=st.booleans(),
-                pad_states=st.booleans(), interleave=st.booleans())
+                pad_states=st.booleans(), interleave=st.booleans(), packed=st.booleans())
     def setup(self, num_blocks, block_size, max_num_seqs, max_prefill_tokens, kind, chunked, batched_tokens,
-              batch_prefill, pad_states, interleave):
+              batch_prefill, pad_states, interleave, packed):
         self.blocks = BlockAllocator(num_blocks, block_size) if kind != "ssm" else None
         self.slots = SlotAllocator(max_num_seqs) if kind != "attention" else None
         # several prompts per prefill step; with state rows of equal length unless padding is exact (the Engine's
@@ -27,7 +27,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                max_prefill_tokens=max_prefill_tokens, chunked_prefill=chunked,
                                max_num_batched_tokens=batched_tokens,
                                max_prefill_seqs=max_num_seqs if batch_prefill else 1,
-                               equal_lengths=kind != "attention" and not pad_states, interleave=interleave)
+                               equal_lengths=kind != "attention" and not pad_states, interleave=interleave,
+                               packed=packed and kind == "attention")  # packed steps: attention-only models
         self.last_kind = None
         self.seqs: list[Sequence] = []
         self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
@@ -53,14 +54,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if step is not None:
             if sched.interleave and self.last_kind == "prefill" and ready and rows_ok:
                 # a sequence ready to decode never waits two prefill steps (unless the cache preempted them all)
-                assert step.kind == "decode" or not any(s.status is Status.RUNNING for s in ready)
+                assert step.kind in ("decode", "packed") or not any(s.status is Status.RUNNING for s in ready)
+            if sched.packed and step.kind != "prefill":  # packed: every sequence ready to decode is in every step
+                assert all(s in step.seqs for s in ready if s.status is Status.RUNNING)
             self._run(step)
 
     @rule()
     def prefill_fails(self):
         """A step that raises (Engine.step): a prefill of several goes back to the queue to run one per step."""
         step = self.sched.schedule()
-        if step is not None and step.kind == "prefill" and len(step.seqs) > 1:
+        if step is not None and step.kind in ("prefill", "packed") and len(step.seqs) > 1:
             self._move(step.moves)  # Engine._launch applies them before the launch that raises
             self.sched.retry_alone(step.seqs)
             assert all(s.status is Status.WAITING and not s.blocks for s in step.seqs)
@@ -110,6 +113,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert len(set(step.num_tokens)) == 1 or not self.sched.equal_lengths
                 rows = [s.state_slot for s in step.seqs]
                 assert rows == list(range(rows[0], rows[0] + len(rows)))
+        if step.kind == "packed":  # decodes first, then chunks; unpadded tokens within the budget
+            assert sum(step.num_tokens) <= self.sched.max_num_batched_tokens and len(step.seqs) > step.num_decodes
+            assert all(s.num_uncached == 1 for s in step.seqs[:step.num_decodes])
         for seq, n in zip(step.seqs, step.num_tokens):
             assert seq.status is Status.RUNNING and n >= 1
             assert n == 1 if step.kind == "decode" else seq.num_uncached >= n

@@ -90,7 +90,8 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
     # prompts are prefilled in chunks of at most this many tokens, at export and at load
     chunk = max(8, min(max_prefill_tokens, max_seq_len // 2))
     engine = Engine(model, tokenizer=tokenizer, compile=None, cache_memory=64 << 20, block_size=block_size,
-                    max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda")
+                    max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda",
+                    packed_steps=False)  # a directory's programs are the padded steps' (packed steps: no program)
     engine.scheduler.max_prefill_seqs = 1  # a loaded directory prefills one prompt per step: its programs take one
     cap = Capture(engine, compile_options, progress).install()
     runs = call_kinds(engine, block_size, chunk, max_seq_len)

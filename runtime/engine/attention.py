@@ -15,6 +15,10 @@ logit soft-capping (``softcap``).
   page of one token; its block table lists ``slot * kv_heads + head`` for the sequence's positions, valid keys first,
   and a sliding window starts the row later. What the kernel does not compute (sinks, soft-capping, dropout) takes
   the exact path: the step's keys gathered from the pages, then the model's own implementation.
+- Packed steps (the maps arrive as ``hybrid_cu_q`` / ``hybrid_ctx`` / ``hybrid_packed_table``): the query axis holds
+  several sequences' tokens, decodes and prefill chunks alike; each attends causally (in its layer's window) to its
+  own keys in the pages through ``hybrid::varlen_attention``. Sinks, soft-capping and dropout raise there, and the
+  engine then runs the model without packed steps.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import sys
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from hybrid_kernels.attention.ops import varlen_attention
 from hybrid_kernels.mla.ops import mla_decode
 
 NAME = "hybrid_paged"
@@ -73,6 +78,8 @@ def _windowed(mask: torch.Tensor | None, window: int | None) -> torch.Tensor | N
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, **kwargs):
+    if kwargs.get("hybrid_cu_q") is not None:
+        return _packed(query, key, scaling, sliding_window, dropout, kwargs)
     table = kwargs.pop("hybrid_block_table", None)
     seq_lens = kwargs.pop("hybrid_seq_lens", None)
     if table is None:
@@ -100,6 +107,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     out = mla_decode(q.new_zeros(b * hkv, hq // hkv, dv), q, key.view(rows * hkv, 1, d), table, seq_lens,
                      scale=scaling if scaling is not None else dk ** -0.5)
     return out.view(b, 1, hq, dv), None
+
+
+def _packed(query, buf, scaling, sliding_window, dropout, kwargs):
+    """A packed step (``ModelRunner._launch_packed``): query [1, Hq, N, Dk] holds several sequences' tokens, each
+    attending to its own keys in the paged buffer (already holding the step's keys) through
+    ``hybrid::varlen_attention``. What that op does not compute (sinks, soft-capping, dropout) raises: the engine's
+    construction probe then leaves packed steps off for the model."""
+    unsupported = [name for name, on in (("attention sinks", kwargs.get("s_aux") is not None),
+                                         ("logit soft-capping", bool(kwargs.get("softcap"))),
+                                         ("attention dropout", bool(dropout))) if on]
+    if unsupported:
+        raise RuntimeError(f"packed steps do not run {unsupported[0]}")
+    if buf.dim() != 3:
+        raise RuntimeError("hybrid_paged attention got gathered keys on a packed step: this model's cache layers are "
+                           "not the engine's paged ones")
+    dk = query.shape[-1]
+    out = varlen_attention(query[0].transpose(0, 1), buf, kwargs["hybrid_packed_table"], kwargs["hybrid_cu_q"],
+                           kwargs["hybrid_ctx"], buf.shape[-1] - dk, kwargs["hybrid_block_size"], sliding_window or 0,
+                           scaling if scaling is not None else dk ** -0.5)
+    return out.unsqueeze(0), None
 
 
 def _model_attention(module, query, key, value, mask, dropout, scaling, sliding_window, kwargs):

@@ -58,8 +58,8 @@ def check_options(opts: dict) -> None:
                     "tensor_parallel"):
             if value is not None or name not in ("cache_memory", "max_num_batched_tokens", "max_num_seqs"):  # None: default
                 check_int(where, value, 1)
-        elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights", "expert_parallel"):
-            check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode"))
+        elif name in ("bucket_decode", "paged_decode", "overlap", "freeze_weights", "expert_parallel", "packed_steps"):
+            check_bool(where, value, none_ok=name in ("bucket_decode", "paged_decode", "packed_steps"))
         elif name == "expert_placement":
             if value is not None and not isinstance(value, (dict, str, os.PathLike)):
                 raise TypeError(f"{where} must be a placement dict or the path of one (runtime.distributed.balance), "
@@ -97,7 +97,8 @@ class Engine:
                  max_num_seqs: int | None = None, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
                  compile: str | None = "auto", bucket_decode: bool | None = None, paged_decode: bool | None = None,
                  overlap: bool = True, freeze_weights: bool = False, compile_options: dict | None = None,
-                 tensor_parallel: int = 1, expert_parallel: bool = False, expert_placement=None):
+                 tensor_parallel: int = 1, expert_parallel: bool = False, expert_placement=None,
+                 packed_steps: bool | None = None):
         if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
             raise TypeError(f"Engine: model must be a Hugging Face causal LM (a torch.nn.Module with a .config), got "
                             f"{type(model).__name__}; for a zoo name or a model directory use Engine.from_pretrained")
@@ -106,7 +107,8 @@ class Engine:
                            compile=compile, bucket_decode=bucket_decode,
                            paged_decode=paged_decode, overlap=overlap, freeze_weights=freeze_weights,
                            compile_options=compile_options, tensor_parallel=tensor_parallel,
-                           expert_parallel=expert_parallel, expert_placement=expert_placement))
+                           expert_parallel=expert_parallel, expert_placement=expert_placement,
+                           packed_steps=packed_steps))
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -207,7 +209,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, self.blocks, compile, bucket_decode, paged_decode, freeze_weights,
                                   compile_options)
         self._seqs: dict[int, Sequence] = {}
-        self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, failed_steps=0)
+        self.stats = dict(steps=0, decode_steps=0, packed_steps=0, prefill_tokens=0, decode_tokens=0, failed_steps=0)
         self.overlap = overlap
         self._ahead = None  # (step, pending): a decode step launched before the previous one was read
         # events of the requests a stream / generate call waits on, kept per request until that call takes them:
@@ -215,8 +217,16 @@ class Engine:
         # their own requests' events whichever of them stepped
         self._inbox: dict[int, list[TokenEvent]] = {}
         self._probe_errors: list[Exception] | None = None
+        #: why steps that prefill are not packed (None when they are; ``_packed_probe``)
+        self.packed_note: str | None = ("packed_steps=False" if packed_steps is False else
+                                        "engine directory" if plan is not None else
+                                        "tensor parallelism" if self.tp_group is not None else
+                                        self.runner.pack_note)
         if plan is None and self.tp_group is None:
             self._probe(model)
+        if packed_steps and not self.scheduler.packed:
+            raise ValueError(f"Engine: packed_steps=True, but {type(model).__name__} takes no packed steps "
+                             f"({self.packed_note}): leave packed_steps unset")
 
     def _probe(self, model) -> None:
         """Short requests through the engine's own steps (a batched prefill of prompts of two lengths, of two
@@ -251,6 +261,10 @@ class Engine:
         if failed:
             raise Unsupported(f"{type(model).__name__}'s forward over the engine's cache: a probe request failed "
                               f"({_where(errors[-1]) if errors else failed[0].error})")
+        if self.packed_note is None and not errors:
+            self._packed_probe(model, [ids[:3], ids, ids[1:] + ids[:1]], [o.token_ids for o in outs])
+        elif self.packed_note is None:
+            self.packed_note = "a batched prefill failed"
         if errors:  # the batched prefill failed, each prompt alone ran
             self.prefill_batch_note = f"one prompt per prefill step (a batched prefill failed: {_where(errors[0])})"
             self.scheduler.max_prefill_seqs = 1
@@ -260,6 +274,34 @@ class Engine:
         elif padding:
             self.prefill_batch_note = f"state layers: prompts of equal length per prefill step ({padding})"
             log.info("hybrid engine: %s", self.prefill_batch_note)
+
+    def _packed_probe(self, model, prompts: list[list[int]], want: list[list[int]]) -> None:
+        """Turn packed steps on (``Scheduler.packed``) where they give the tokens the padded steps gave: the probe's
+        prompts again, in chunks of 4 within steps of 8 tokens, so that decodes share steps with chunks continuing
+        prompts at several points; the HF forward run eagerly. Any error or other token leaves them off, and
+        ``packed_note`` says why."""
+        runner, sched = self.runner, self.scheduler
+        saved = runner.forward, runner.graphs_enabled, dict(self.stats), sched.max_prefill_tokens, \
+            sched.max_num_batched_tokens
+        runner.forward, runner.graphs_enabled, self._probe_errors = model.forward, False, []
+        sched.packed, sched.max_prefill_tokens, sched.max_num_batched_tokens = True, 4, 8
+        try:
+            got = [o.token_ids for o in self.generate(prompts, SamplingParams(max_tokens=len(want[0]),
+                                                                              ignore_eos=True))]
+            errors = self._probe_errors
+        finally:
+            runner.forward, runner.graphs_enabled, self.stats = saved[:3]
+            sched.max_prefill_tokens, sched.max_num_batched_tokens = saved[3:]
+            self._probe_errors = None
+            self._seqs.clear()
+            self.reset_expert_loads()
+        if errors:
+            self.packed_note = f"a packed step failed: {_where(errors[-1])}"
+        elif got != want:
+            self.packed_note = f"packed steps gave tokens {got} where padded steps gave {want}"
+        sched.packed = self.packed_note is None
+        if self.packed_note:
+            log.info("hybrid engine: steps that prefill are padded, not packed (%s)", self.packed_note)
 
     def _padding_probe(self, ids: list[int]) -> str:
         """Whether left padding leaves the state layers exact: a 3-token prompt prefilled left-padded beside a longer
@@ -543,7 +585,7 @@ class Engine:
                 raise
             if self.tp_group is not None:  # the other ranks ran this step, or wait in its collectives: stop
                 raise self._lose_ranks(e) from e
-            if step.kind == "prefill" and sum(s.status is Status.RUNNING for s in step.seqs) > 1:
+            if step.kind in ("prefill", "packed") and sum(s.status is Status.RUNNING for s in step.seqs) > 1:
                 return events + self._retry_alone(step, e)
             return events + self._fail(step, e)
         except BaseException:
@@ -568,8 +610,12 @@ class Engine:
         self.stats["steps"] += 1
         if step.kind == "prefill":
             self.stats["prefill_tokens"] += sum(step.num_tokens)
-        kept = 0
-        for seq, tok in zip(step.seqs, tokens):
+        elif step.kind == "packed":
+            self.stats["prefill_tokens"] += sum(step.num_tokens[step.num_decodes:])
+            self.stats["packed_steps"] += 1
+        kept = 0  # decode tokens kept, not rows computed (a dropped token is not output)
+        decodes = len(step.seqs) if step.kind == "decode" else step.num_decodes
+        for i, (seq, tok) in enumerate(zip(step.seqs, tokens)):
             if tok is None or seq.status is Status.FINISHED:  # finished while this step ran ahead: dropped
                 continue
             seq.output.append(tok)
@@ -577,10 +623,10 @@ class Engine:
             if reason:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq.request_id, tok, reason is not None, reason))
-            kept += 1
-        if step.kind == "decode":  # tokens kept, not rows computed (a dropped token is not output)
+            kept += i < decodes
+        self.stats["decode_tokens"] += kept
+        if step.kind == "decode":
             self.stats["decode_steps"] += 1
-            self.stats["decode_tokens"] += kept
 
     def _lose_ranks(self, error: Exception) -> Exception:
         """The error that ends a tensor-parallel engine whose step raised: failing only that step's requests here

@@ -95,6 +95,16 @@ class ModelRunner:
         self._advanced: tuple | None = None
         self.advanced_steps = 0  # decode steps replayed on inputs the previous replay left (no upload)
         self.wait_s = 0.0  # host time spent waiting for the device (events; sampled batches' reads are not counted)
+        #: a packed step's attention_mask: HF's mask code returns a 4-D mask as it is; the packed attention reads
+        #: the step's sequence boundaries instead (``_launch_packed``)
+        self._packed_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        #: why this model cannot take packed steps (None: it can; the engine's construction probe then decides)
+        self.pack_note = next((why for why, bad in (
+            ("no attention layers", not cache.attention),
+            ("state layers (SSM / delta rule) need padded rows", bool(cache.states)),
+            ("MLA's latent cache", any(layer.latent for layer in cache.attention)),
+            ("attention of the model's own", any(layer.contiguous for layer in cache.attention)),
+            ("the model's forward takes no logits_to_keep", not self.keep_last)) if bad), None)
 
     @staticmethod
     def _compiled(model, compile: str | None, freeze_weights: bool = False, compile_options: dict | None = None):
@@ -178,6 +188,8 @@ class ModelRunner:
         same sequences, not finished yet) the step runs one token ahead of the host: each sequence's input is
         the token ``ahead`` sampled, still on the device, at the position after it."""
         self.apply_moves(step.moves)
+        if step.kind == "packed":
+            return self._launch_packed(step)
         n, state_row = len(step.seqs), None
         if step.kind == "prefill":
             assert ahead is None, "only decode steps run ahead"
@@ -220,6 +232,36 @@ class ModelRunner:
             seq.num_cached += k
         done = [step.kind == "decode" or s.num_uncached == 0 for s in step.seqs]
         return self._sample_async(Pending(step, done), logits, greedy)
+
+    def _launch_packed(self, step: Step) -> "Pending":
+        """A packed step: every sequence's tokens of the step on one axis ([1, N], no padding), each at its own
+        positions, written to its own cache rows, attending to its own keys in the pages (``attention.py``'s packed
+        path, ``hybrid::varlen_attention``); logits only at each sequence's last token. Uncaptured: the token count
+        changes every step."""
+        self._advanced = None
+        bs = self.blocks.block_size
+        ends = [s.num_cached + k for s, k in zip(step.seqs, step.num_tokens)]
+        nb = -(-max(ends) // bs)
+        ids, positions, writes, table, cu = [], [], [], [], [0]
+        for seq, k, end in zip(step.seqs, step.num_tokens, ends):
+            start = seq.num_cached
+            ids += seq.tokens[start:end]
+            positions += range(start, end)
+            writes += [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            table += seq.blocks[:nb] + [0] * (nb - min(nb, len(seq.blocks)))
+            cu.append(cu[-1] + k)
+        ids, positions, writes, table, cu, ctx = self._upload([ids, positions, writes, table, cu, ends])
+        n = ids.shape[0]
+        self.cache.bind(writes, writes.view(1, n), None, paged=True)
+        kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions.view(1, n),
+                  "attention_mask": self._packed_mask, "logits_to_keep": cu[1:] - 1,
+                  "hybrid_cu_q": cu.to(torch.int32), "hybrid_ctx": ctx.to(torch.int32),
+                  "hybrid_packed_table": table.view(len(step.seqs), nb).to(torch.int32), "hybrid_block_size": bs}
+        logits = self.forward(ids.view(1, n), **kwargs).logits
+        for seq, k in zip(step.seqs, step.num_tokens):
+            seq.num_cached += k
+        done = [s.num_uncached == 0 for s in step.seqs]
+        return self._sample_async(Pending(step, done), logits[0][:, None], None)
 
     @staticmethod
     def _prefill_rows(step: Step) -> tuple[list[int], list[int], list[int], int]:

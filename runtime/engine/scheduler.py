@@ -28,18 +28,21 @@ from .sequence import Sequence, Status
 
 @dataclass
 class Step:
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "packed" (decodes and prefill chunks in one unpadded forward)
     seqs: list[Sequence]
     #: tokens each sequence feeds this step (its uncached tokens, or a chunk of them)
     num_tokens: list[int]
     #: SSM state rows to move before the step (from_row, to_row), left by sequences that finished/preempted
     moves: list[tuple[int, int]] = field(default_factory=list)
+    #: a packed step's first ``num_decodes`` sequences decode (one token each); the others feed prefill chunks
+    num_decodes: int = 0
 
 
 class Scheduler:
     def __init__(self, blocks: BlockAllocator | None, slots: SlotAllocator | None, *, max_num_seqs: int,
                  max_prefill_tokens: int, chunked_prefill: bool, max_num_batched_tokens: int | None = None,
-                 max_prefill_seqs: int = 1, equal_lengths: bool = False, interleave: bool = True):
+                 max_prefill_seqs: int = 1, equal_lengths: bool = False, interleave: bool = True,
+                 packed: bool = False):
         self.blocks, self.slots = blocks, slots
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -51,6 +54,8 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         #: a decode step after each prefill step while sequences are ready to decode
         self.interleave = interleave
+        #: steps that prefill go packed: every sequence ready to decode plus prefill chunks, unpadded (``_schedule_packed``)
+        self.packed = packed
         self._last_kind: str | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -92,8 +97,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------
     def schedule(self) -> Step | None:
-        step = self._schedule_decode() if self._decode_due() else None
-        step = step or self._schedule_prefill() or self._schedule_decode()
+        step = self._schedule_packed() if self.packed else None
+        if step is None:
+            step = self._schedule_decode() if self._decode_due() else None
+            step = step or self._schedule_prefill() or self._schedule_decode()
         if step is not None:
             step.moves, self._moves = self._moves, []
             self._last_kind = step.kind
@@ -139,6 +146,48 @@ class Scheduler:
             return None
         self._sort_running()
         return Step("prefill", seqs, counts)
+
+    def _schedule_packed(self) -> Step | None:
+        """A packed step (models without state layers whose attention runs on packed sequences): every sequence
+        ready to decode, one token each, then prefill chunks within ``max_num_batched_tokens`` tokens in all: the
+        chunks that continue prompts under way (each from its own point), then waiting prompts in arrival order, a
+        chunk cut to the tokens left in the step. No padding, and no running sequence waits for a prompt. Without
+        prefill work the step is a plain decode step (CUDA graphs). None leaves the step to the padded schedule: a
+        request that must prefill alone (``alone``), prompts under way that need a preemption to continue, a prompt
+        that fits no packed step whole (no chunking)."""
+        partial = [s for s in self.running if s.num_uncached > 1]
+        if any(s.request_id in self.alone for s in partial) or (
+                not partial and self.waiting and self.waiting[0].request_id in self.alone):
+            return None
+        if not partial and not self.would_prefill():
+            return self._schedule_decode()
+        decode = self._schedule_decode()
+        seqs = list(decode.seqs) if decode is not None else []
+        counts = [1] * len(seqs)
+        budget = self.max_num_batched_tokens - len(seqs)
+        for seq in partial:
+            n = min(self._chunk(seq), budget)
+            if seq.status is not Status.RUNNING or n <= 0 or not self._reserve(seq, seq.num_cached + n):
+                continue
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        for seq in list(self.waiting):  # arrival order: a request never overtakes an earlier one
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or seq.request_id in self.alone:
+                break
+            n = min(self._chunk(seq), budget) if self.chunked_prefill else seq.num_uncached
+            if n > budget or not self._reserve(seq, seq.num_cached + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        num_decodes = len(decode.seqs) if decode is not None else 0
+        if len(seqs) == num_decodes:  # no chunk fitted: decode alone, else the padded schedule
+            return decode
+        return Step("packed", seqs, counts, num_decodes=num_decodes)
 
     def _schedule_continue(self, partial: list[Sequence]) -> Step | None:
         """The next chunks of prompts under way, each continuing from what its cache holds: the first, and with it
