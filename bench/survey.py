@@ -385,28 +385,39 @@ def control_stage(model, ids) -> dict:
 
 def engine_stage(model, engine_prompts, ref: list[list[int]]) -> dict:
     """The engine (hybrid-eager on the CPU, hybrid-cudagraphs on the GPU) on prompts of three lengths vs HF greedy
-    per prompt."""
+    per prompt: prompts in chunks of 4 within steps of 8 tokens, the first one decoding when the others arrive, so
+    steps mix decodes with chunks continuing prompts (packed steps where the model takes them: ``packed`` says
+    whether it did, ``packed_note`` why not)."""
     from runtime.engine import Engine, SamplingParams
     mode = "hybrid-cudagraphs" if next(model.parameters()).is_cuda else "hybrid-eager"
     try:
-        engine = Engine(model, compile=mode, max_num_seqs=4, block_size=4, cache_memory=64 << 20)
+        engine = Engine(model, compile=mode, max_num_seqs=4, block_size=4, cache_memory=64 << 20,
+                        max_prefill_tokens=4, max_num_batched_tokens=8)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         if "\n" not in str(e).strip():
             return dict(outcome="refused", reason=f"{type(e).__name__}: {str(e).strip()}")
         raise
+    packed = dict(packed=engine.scheduler.packed, packed_note=engine.packed_note)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
     try:
-        outs = engine.generate(engine_prompts, SamplingParams(max_tokens=NEW_TOKENS))
+        ids = [engine.add_request(engine_prompts[0], params)]
+        for _ in range(2):  # the first prompt's chunks; then it decodes while the others arrive
+            engine.step()
+        ids += engine.add_requests(engine_prompts[1:], params)
+        while engine.has_unfinished():
+            engine.step()
     except ValueError as e:  # requests the engine refuses in one line (e.g. beyond the lengths it runs exactly)
         if "\n" not in str(e).strip():
-            return dict(outcome="refused", reason=f"{type(e).__name__}: {str(e).strip()}")
+            return dict(outcome="refused", reason=f"{type(e).__name__}: {str(e).strip()}", **packed)
         raise
+    outs = [engine.output(i) for i in ids]
     errors = [o.error for o in outs if getattr(o, "error", None)]
     if errors:
-        return dict(outcome="crash", reason=f"request failed: {errors[0]}")
+        return dict(outcome="crash", reason=f"request failed: {errors[0]}", **packed)
     got = [list(o.token_ids) for o in outs]
     if got != ref:
-        return dict(outcome="wrong", reason=f"engine {got} vs HF {ref}", tokens=got, ref=ref)
-    return dict(outcome="ok")
+        return dict(outcome="wrong", reason=f"engine {got} vs HF {ref}", tokens=got, ref=ref, **packed)
+    return dict(outcome="ok", **packed)
 
 
 def survey_one(model_type: str, result_path: Path, device: str = "cpu", dtype: str = "float32") -> None:
@@ -540,8 +551,10 @@ def summary(results: list[dict]) -> dict:
         for reg in r.get("explain", {}).get("regions", []):
             status[reg["status"]] += 1
     seen = sum(status.values())
+    engines = [r["engine"] for r in results if "packed" in r.get("engine", {})]
     return dict(outcomes=out, archs=len(results), signature_regions=sig, explain_regions=seen, **status,
-                rewritten_pct=round(100 * status["rewritten"] / sig, 1) if sig else 0.0)
+                rewritten_pct=round(100 * status["rewritten"] / sig, 1) if sig else 0.0,
+                engines_built=len(engines), engines_packed=sum(e["packed"] for e in engines))
 
 
 def _cell(r: dict) -> list[str]:
@@ -621,7 +634,9 @@ def markdown(results: list[dict], s: dict, env: dict, planned: int) -> str:
              + ", ".join(f"{o[k]} {k}" for k in OUTCOMES),
              f"- regions by signature: {s['signature_regions']} (MLA/SSM/MoE modules); explain reported "
              f"{s['explain_regions']}: {s['rewritten']} rewritten, {s['skipped']} skipped, {s['detected']} detected "
-             f"({s['rewritten_pct']}% of the signature regions rewritten)"]
+             f"({s['rewritten_pct']}% of the signature regions rewritten)",
+             f"- engine steps packed (decodes with prefill chunks in one unpadded forward) on {s['engines_packed']} "
+             f"of the {s['engines_built']} architectures the engine built"]
     lines += groups(results)
     lines += ["", "## Per architecture", "",
               "| arch | built | signature mla/ssm/moe | rewritten/skipped/detected | compile logits err | tokens "
