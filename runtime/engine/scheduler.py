@@ -133,11 +133,7 @@ class Scheduler:
                     break
             if not self._reserve(seq, self._prefill_upto(seq)):
                 break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            seqs.append(seq)
-            counts.append(n)
+            self._admit(seq, n, seqs, counts)
             if seq.request_id in self.alone:
                 if n == seq.num_uncached:  # else it stays alone for the chunks that continue its prompt
                     self.alone.discard(seq.request_id)
@@ -178,16 +174,20 @@ class Scheduler:
             n = min(self._chunk(seq), budget) if self.chunked_prefill else seq.num_uncached
             if n > budget or not self._reserve(seq, seq.num_cached + n):
                 break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            seqs.append(seq)
-            counts.append(n)
+            self._admit(seq, n, seqs, counts)
             budget -= n
         num_decodes = len(decode.seqs) if decode is not None else 0
         if len(seqs) == num_decodes:  # no chunk fitted: decode alone, else the padded schedule
             return decode
         return Step("packed", seqs, counts, num_decodes=num_decodes)
+
+    def _admit(self, seq: Sequence, n: int, seqs: list[Sequence], counts: list[int]) -> None:
+        """The head of the queue starts running, feeding ``n`` tokens in the step being built."""
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        seqs.append(seq)
+        counts.append(n)
 
     def _schedule_continue(self, partial: list[Sequence]) -> Step | None:
         """The next chunks of prompts under way, each continuing from what its cache holds: the first, and with it
