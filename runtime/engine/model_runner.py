@@ -150,14 +150,15 @@ class ModelRunner:
             for layer in self.cache.states:
                 layer.move_row(src, dst)
 
-    def _upload(self, lists: list[list[int]], device_ids: torch.Tensor | None = None,
+    def _upload(self, lists: "list[list[int] | torch.Tensor]", device_ids: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The step's small integer inputs in one host-to-device copy (pinned staging buffer on CUDA, so the
         copy is asynchronous: a pageable copy per tensor would synchronise the stream several times a step);
         into ``out`` (a graph's static input buffer) when given. ``device_ids`` (the ids a step running ahead
         takes from the step before, still on the device) then replace the first ids."""
         sizes = [len(x) for x in lists]
-        host = torch.tensor([v for x in lists for v in x], dtype=torch.long)
+        parts = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long) for x in lists]
+        host = torch.cat(parts) if len(parts) > 1 else parts[0]
         if self.device.type != "cuda":
             return self._with_ids(list(host.split(sizes)), device_ids)
         if self._copied is not None:
@@ -240,17 +241,21 @@ class ModelRunner:
         changes every step."""
         self._advanced = None
         bs = self.blocks.block_size
-        ends = [s.num_cached + k for s, k in zip(step.seqs, step.num_tokens)]
+        starts = [s.num_cached for s in step.seqs]
+        ends = [a + k for a, k in zip(starts, step.num_tokens)]
         nb = -(-max(ends) // bs)
-        ids, positions, writes, table, cu = [], [], [], [], [0]
-        for seq, k, end in zip(step.seqs, step.num_tokens, ends):
-            start = seq.num_cached
+        ids, table = [], []
+        for seq, start, end in zip(step.seqs, starts, ends):
             ids += seq.tokens[start:end]
-            positions += range(start, end)
-            writes += [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
             table += seq.blocks[:nb] + [0] * (nb - min(nb, len(seq.blocks)))
-            cu.append(cu[-1] + k)
-        ids, positions, writes, table, cu, ctx = self._upload([ids, positions, writes, table, cu, ends])
+        # positions and cache rows of every token, vectorised on the host (a step holds up to thousands of tokens)
+        counts = torch.tensor(step.num_tokens)
+        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        owner = torch.repeat_interleave(torch.arange(len(step.seqs)), counts)
+        positions = torch.tensor(starts)[owner] + torch.arange(len(ids)) - cu[owner]
+        host_table = torch.tensor(table, dtype=torch.long).view(len(step.seqs), nb)
+        writes = host_table[owner, positions // bs] * bs + positions % bs
+        ids, positions, writes, table, cu, ctx = self._upload([ids, positions, writes, host_table.view(-1), cu, ends])
         n = ids.shape[0]
         self.cache.bind(writes, writes.view(1, n), None, paged=True)
         kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions.view(1, n),
