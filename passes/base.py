@@ -54,6 +54,11 @@ class Skip(Exception):
     """Raised by ``plan`` when a region must be left alone; the message is the reason shown to users."""
 
 
+class Fused(Exception):
+    """Raised by ``plan`` when the region already runs hybrid's op (the engine's attention functions call them on
+    some steps): nothing to rewrite, and the region counts as rewritten; the message says which op."""
+
+
 @dataclass
 class RegionResult:
     kind: str
@@ -250,6 +255,8 @@ class RegionPass(Pass):
             rw = self.plan(ctx, region)
         except Skip as e:
             return SKIPPED, str(e)
+        except Fused as e:
+            return REWRITTEN, str(e)
         except Exception as e:  # noqa: BLE001  (a plan reads the graph or undoes its own edits: the region is left)
             log.warning("hybrid: %s pass failed to plan %s: %s: %s", self.name, region.path, type(e).__name__, e)
             return SKIPPED, f"the {self.name} pass failed on this region ({type(e).__name__}: {e}); left to Inductor"

@@ -87,9 +87,9 @@ def _steps(engine) -> list[tuple[str, int, list[int]]]:
     return steps
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
 def test_packed_steps_mix_decodes_and_chunks(name):
-    """Attention-only models take packed steps: the decoding sequences and chunks of prompts (fresh ones and ones
+    """Attention-only models (MLA included: absorbed attention over the latent pages) take packed steps: the decoding sequences and chunks of prompts (fresh ones and ones
     continuing from several points) in one unpadded forward within the token budget; a decoding request gets a
     token at every step while a long prompt prefills; greedy tokens equal HF's."""
     prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
@@ -117,15 +117,28 @@ def test_packed_steps_mix_decodes_and_chunks(name):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3", "bamba"])
-def test_packed_steps_left_off_with_a_reason(name):
-    """Sinks (gpt_oss: the construction probe's packed step raises), MLA's latent cache and state layers keep the
-    padded steps, and say why; asking for packed steps there is a one-line error."""
-    engine = Engine(zoo.build(name), compile="hybrid-eager")
+@pytest.mark.parametrize("name,kwargs,why", [("gpt_oss", {}, "attention sinks"),
+                                             ("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
+                                             ("bamba", {}, "state layers")])
+def test_packed_steps_left_off_with_a_reason(name, kwargs, why):
+    """Sinks (gpt_oss: the construction probe's packed step raises), MLA without the paged latent cache and state
+    layers keep the padded steps, and say why; asking for packed steps there is a one-line error."""
+    engine = Engine(zoo.build(name), compile="hybrid-eager", **kwargs)
     assert not engine.scheduler.packed
-    assert {"gpt_oss": "attention sinks", "deepseek_v3": "MLA", "bamba": "state layers"}[name] in engine.packed_note
+    assert why in engine.packed_note
     with pytest.raises(ValueError, match="packed_steps=True, but .* takes no packed steps"):
-        Engine(zoo.build(name), compile="hybrid-eager", packed_steps=True)
+        Engine(zoo.build(name), compile="hybrid-eager", packed_steps=True, **kwargs)
+
+
+def test_packed_mla_checks_expand_kv(monkeypatch):
+    """Packed MLA steps replace HF's expand_kv by its absorbed form: a model whose expand_kv computes something else
+    (here: values scaled) is left on padded steps, with the reason."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    real = m.DeepseekV3Attention.expand_kv
+    monkeypatch.setattr(m.DeepseekV3Attention, "expand_kv", lambda self, kv, rot: (
+        real(self, kv, rot)[0], 2 * real(self, kv, rot)[1]))
+    engine = Engine(zoo.build("deepseek_v3"), compile="hybrid-eager")
+    assert not engine.scheduler.packed and "expand_kv is not the per-head split" in engine.packed_note
 
 
 def test_packed_probe_turns_packed_steps_off_when_tokens_differ(monkeypatch):
@@ -660,10 +673,11 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels in recorded steps need a GPU")
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "deepseek_v3"])
 def test_compiled_packed_steps_on_the_gpu(name):
     """The GPU default with packed steps, fp32: prompts arriving while others decode share packed steps with them
-    (hybrid::varlen_attention's Triton kernel under Inductor, chunks cut to the budget), decode-only steps replay
+    (hybrid::varlen_attention's Triton kernel under Inductor, or hybrid::mla_prefill's over MLA's latent pages;
+    chunks cut to the budget), decode-only steps replay
     CUDA graphs; greedy tokens equal HF's."""
     prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
     model = zoo.build(name, device="cuda")

@@ -17,8 +17,11 @@ logit soft-capping (``softcap``).
   the exact path: the step's keys gathered from the pages, then the model's own implementation.
 - Packed steps (the maps arrive as ``hybrid_cu_q`` / ``hybrid_ctx`` / ``hybrid_packed_table``): the query axis holds
   several sequences' tokens, decodes and prefill chunks alike; each attends causally (in its layer's window) to its
-  own keys in the pages through ``hybrid::varlen_attention``. Sinks, soft-capping and dropout raise there, and the
-  engine then runs the model without packed steps.
+  own keys in the pages through ``hybrid::varlen_attention``. MLA layers attend in the absorbed form over their
+  latent pages (``hybrid::mla_prefill``, ragged and causal): the query's nope part times W_UK (from the module's
+  ``kv_b_proj``) scores against the cached latents, the output latents times W_UV are the values; the keys and values
+  HF expanded for the step are not read. Sinks, soft-capping and dropout raise there, and the engine then runs the
+  model without packed steps.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybrid_kernels.attention.ops import varlen_attention
-from hybrid_kernels.mla.ops import mla_decode
+from hybrid_kernels.mla.ops import mla_decode, mla_prefill
+from hybrid_kernels.mla.reference import per_head_matmul, split_kv_b
 
 NAME = "hybrid_paged"
 #: id(config) -> the attention implementation the model had before the engine switched it
@@ -79,6 +83,8 @@ def _windowed(mask: torch.Tensor | None, window: int | None) -> torch.Tensor | N
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, **kwargs):
     if kwargs.get("hybrid_cu_q") is not None:
+        if kwargs.get("hybrid_latent_pages") is not None:
+            return _packed_mla(module, query, scaling, dropout, kwargs)
         return _packed(query, key, scaling, sliding_window, dropout, kwargs)
     table = kwargs.pop("hybrid_block_table", None)
     seq_lens = kwargs.pop("hybrid_seq_lens", None)
@@ -109,16 +115,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     return out.view(b, 1, hq, dv), None
 
 
-def _packed(query, buf, scaling, sliding_window, dropout, kwargs):
-    """A packed step (``ModelRunner._launch_packed``): query [1, Hq, N, Dk] holds several sequences' tokens, each
-    attending to its own keys in the paged buffer (already holding the step's keys) through
-    ``hybrid::varlen_attention``. What that op does not compute (sinks, soft-capping, dropout) raises: the engine's
-    construction probe then leaves packed steps off for the model."""
+def _unsupported_on_packed(dropout, kwargs) -> None:
     unsupported = [name for name, on in (("attention sinks", kwargs.get("s_aux") is not None),
                                          ("logit soft-capping", bool(kwargs.get("softcap"))),
                                          ("attention dropout", bool(dropout))) if on]
     if unsupported:
         raise RuntimeError(f"packed steps do not run {unsupported[0]}")
+
+
+def _packed(query, buf, scaling, sliding_window, dropout, kwargs):
+    """A packed step (``ModelRunner._launch_packed``): query [1, Hq, N, Dk] holds several sequences' tokens, each
+    attending to its own keys in the paged buffer (already holding the step's keys) through
+    ``hybrid::varlen_attention``. What that op does not compute (sinks, soft-capping, dropout) raises: the engine's
+    construction probe then leaves packed steps off for the model."""
+    _unsupported_on_packed(dropout, kwargs)
     if buf.dim() != 3:
         raise RuntimeError("hybrid_paged attention got gathered keys on a packed step: this model's cache layers are "
                            "not the engine's paged ones")
@@ -127,6 +137,26 @@ def _packed(query, buf, scaling, sliding_window, dropout, kwargs):
                            kwargs["hybrid_ctx"], buf.shape[-1] - dk, kwargs["hybrid_block_size"], sliding_window or 0,
                            scaling if scaling is not None else dk ** -0.5)
     return out.unsqueeze(0), None
+
+
+def _packed_mla(module, query, scaling, dropout, kwargs):
+    """A packed step of an MLA layer: query [1, H, N, P + R] (HF's nope | rope parts) against the layer's latent
+    pages ``hybrid_latent_pages[module.layer_idx]`` ([rows, 1, L + R], rows ``[latent | rope key]``, the step's rows
+    written). Absorbed: q_nope @ W_UK scores against the latents, ``hybrid::mla_prefill`` attends each token causally
+    to its own sequence's positions, the output latents @ W_UV^T are the heads' values -> [1, N, H, V]. The runner
+    checked that the module's ``expand_kv`` is this split of ``kv_b_proj`` (``ModelRunner._mla_note``)."""
+    _unsupported_on_packed(dropout, kwargs)
+    pages = kwargs["hybrid_latent_pages"][module.layer_idx]
+    h, p = query.shape[1], module.qk_nope_head_dim
+    w_uk, w_uv = split_kv_b(module.kv_b_proj.weight, h, p)
+    q_lat = per_head_matmul(query[..., :p], w_uk)[0].transpose(0, 1)  # [N, H, L]
+    q_rope = query[0, :, :, p:].transpose(0, 1)  # [N, H, R]
+    bs = kwargs["hybrid_block_size"]
+    o_lat = mla_prefill(q_lat, q_rope, pages.view(-1, bs, pages.shape[-1]), kwargs["hybrid_packed_table"],
+                        kwargs["hybrid_ctx"], kwargs["hybrid_cu_q"],
+                        scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
+    out = per_head_matmul(o_lat.transpose(0, 1)[None].to(query.dtype), w_uv.transpose(-1, -2))  # [1, H, N, V]
+    return out.transpose(1, 2), None
 
 
 def _model_attention(module, query, key, value, mask, dropout, scaling, sliding_window, kwargs):

@@ -6,7 +6,8 @@
   keys/values gathered by ``gather_idx`` ([B, S] flat rows; padding rows point at the reserved block 0 and are
   masked out). On a paged decode step it returns instead the buffer itself (MHA/GQA, see ``attention.py``)
   or, for MLA layers, the gather as ``hybrid::paged_gather`` with the step's block table and lengths
-  (``hybrid_kernels/mla/ops.py``).
+  (``hybrid_kernels/mla/ops.py``). On a packed step it returns the buffer (MHA/GQA) or, for MLA layers, the first
+  new token's latents only: the packed attention reads the pages itself (``attention.py``).
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a first prefill chunk binds nothing and HF
   creates fresh states, which the runner then copies into the new sequence's row; a later chunk binds that
@@ -195,6 +196,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         self.gather_idx = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.block_table = self.seq_lens = None  # paged MLA decode steps: [B, W] int32 blocks, [B] int32
         self.paged = False  # decode step read in place (attention.py; MLA: hybrid_kernels/mla/ops.py)
+        self.packed = False  # a packed step (several sequences' tokens on one axis; attention.py reads the pages)
         self.fresh = True  # a prefill of prompts with nothing cached yet
         self.contiguous = False  # gathered keys / values returned contiguous (a model's own attention views them)
         self.is_initialized = True
@@ -215,6 +217,9 @@ class PagedAttentionLayer(CacheLayerMixin):
         else:
             rows = torch.cat([value_states, key_states], dim=-1).transpose(1, 2).reshape(b * t, h, -1)
             self.buf.index_copy_(0, self.write_slots, rows.to(self.buf.dtype))
+        if self.packed and self.latent:  # attention.py attends over the pages from the absorbed query; HF's
+            # expand_kv gets one token's latents to expand (its reshape needs one), which nothing reads
+            return key_states[:, :, :1], value_states[:, :, :1]
         if self.paged and self.latent:
             return torch.ops.hybrid.paged_gather(self.buf, self.gather_idx, self.block_table, self.seq_lens,
                                                  self.k_dim, self.block_size)
@@ -377,12 +382,13 @@ class PagedCache(Cache):
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
              paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-             state_row: "slice | torch.Tensor | None" = None, fresh: bool = False) -> None:
+             state_row: "slice | torch.Tensor | None" = None, fresh: bool = False, packed: bool = False) -> None:
         """``decode_rows``: a decode step over state rows 0..n-1; else a prefill, fresh (``state_row`` None) or
         continuing from the states of rows ``state_row`` (``state_rows``). ``fresh``: a prefill whose prompts have
-        nothing cached."""
+        nothing cached. ``packed``: a packed step (``ModelRunner._launch_packed``)."""
         for layer in self.attention:
             layer.write_slots, layer.gather_idx, layer.paged, layer.fresh = write_slots, gather_idx, paged, fresh
+            layer.packed = packed
             layer.block_table, layer.seq_lens = block_table, seq_lens
         for layer in self.states:
             if decode_rows is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybrid_kernels.mla.reference import per_head_matmul, split_kv_b
 from hybrid_kernels.sampling.ops import greedy_ids
 from runtime.hf import cache_kwarg
 
@@ -99,12 +100,25 @@ class ModelRunner:
         #: the step's sequence boundaries instead (``_launch_packed``)
         self._packed_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         #: why this model cannot take packed steps (None: it can; the engine's construction probe then decides)
-        self.pack_note = next((why for why, bad in (
-            ("no attention layers", not cache.attention),
-            ("state layers (SSM / delta rule) need padded rows", bool(cache.states)),
-            ("MLA's latent cache", any(layer.latent for layer in cache.attention)),
-            ("attention of the model's own", any(layer.contiguous for layer in cache.attention)),
-            ("the model's forward takes no logits_to_keep", not self.keep_last)) if bad), None)
+        self.pack_note = self._pack_note(model)
+
+    def _pack_note(self, model) -> str | None:
+        """Why this model cannot take packed steps, or None. MLA layers take them through the absorbed form of HF's
+        ``expand_kv`` (``attention._packed_mla``), so each MLA attention module must have that method over a
+        bias-free linear ``kv_b_proj`` that gives its keys and values (checked on random latents)."""
+        cache = self.cache
+        for why, bad in (("no attention layers", lambda: not cache.attention),
+                         ("state layers (SSM / delta rule) need padded rows", lambda: bool(cache.states)),
+                         ("MLA without the engine's paged latent cache (paged_decode=False)",
+                          lambda: hasattr(model.config.get_text_config(), "kv_lora_rank") and not self.paged_latent),
+                         ("attention of the model's own", lambda: any(layer.contiguous for layer in cache.attention)),
+                         ("the model's forward takes no logits_to_keep", lambda: not self.keep_last)):
+            if bad():
+                return why
+        if self.paged_latent:
+            mods = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "qk_nope_head_dim")]
+            return _expand_kv_mismatch(mods, len(cache.attention))
+        return None
 
     @staticmethod
     def _compiled(model, compile: str | None, freeze_weights: bool = False, compile_options: dict | None = None):
@@ -257,11 +271,13 @@ class ModelRunner:
         writes = host_table[owner, positions // bs] * bs + positions % bs
         ids, positions, writes, table, cu, ctx = self._upload([ids, positions, writes, host_table.view(-1), cu, ends])
         n = ids.shape[0]
-        self.cache.bind(writes, writes.view(1, n), None, paged=True)
+        self.cache.bind(writes, writes.view(1, n), None, paged=True, packed=True)
         kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions.view(1, n),
                   "attention_mask": self._packed_mask, "logits_to_keep": cu[1:] - 1,
                   "hybrid_cu_q": cu.to(torch.int32), "hybrid_ctx": ctx.to(torch.int32),
                   "hybrid_packed_table": table.view(len(step.seqs), nb).to(torch.int32), "hybrid_block_size": bs}
+        if self.paged_latent:  # MLA layers read their latent pages (attention.py), found by the module's layer_idx
+            kwargs["hybrid_latent_pages"] = tuple(getattr(layer, "buf", None) for layer in self.cache.layers)
         logits = self.forward(ids.view(1, n), **kwargs).logits
         for seq, k in zip(step.seqs, step.num_tokens):
             seq.num_cached += k
@@ -485,6 +501,33 @@ class ModelRunner:
         if self.mask_keys is not None:
             mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         return mask, extra
+
+
+@torch.no_grad()
+def _expand_kv_mismatch(modules: list, layers: int) -> str | None:
+    """None when every MLA attention module's ``expand_kv`` is the plain per-head split of a bias-free linear
+    ``kv_b_proj`` (checked on random latents), else why not."""
+    if len(modules) != layers:
+        return f"MLA attention modules ({len(modules)}) other than the latent cache layers ({layers})"
+    for m in modules:
+        proj = m.kv_b_proj
+        if not callable(getattr(m, "expand_kv", None)) or not isinstance(proj, torch.nn.Linear) \
+                or proj.bias is not None:
+            return f"MLA attention {type(m).__name__} without HF's expand_kv over a bias-free kv_b_proj"
+        w = proj.weight
+        heads = w.shape[0] // (m.qk_nope_head_dim + m.v_head_dim)
+        lat = torch.randn(1, 1, 3, w.shape[1], dtype=w.dtype, device=w.device)
+        rot = torch.randn(1, 1, 3, m.qk_rope_head_dim, dtype=w.dtype, device=w.device)
+        key, value = m.expand_kv(lat, rot)
+        w_uk, w_uv = split_kv_b(w, heads, m.qk_nope_head_dim)
+        want_k = torch.cat([per_head_matmul(lat.expand(1, heads, 3, -1), w_uk.transpose(-1, -2)),
+                            rot.expand(1, heads, 3, -1)], dim=-1)
+        want_v = per_head_matmul(lat.expand(1, heads, 3, -1), w_uv.transpose(-1, -2))
+        if key.shape != want_k.shape or value.shape != want_v.shape or not (
+                torch.allclose(key.float(), want_k.float(), rtol=1e-2, atol=1e-2)
+                and torch.allclose(value.float(), want_v.float(), rtol=1e-2, atol=1e-2)):
+            return f"MLA attention {type(m).__name__} whose expand_kv is not the per-head split of kv_b_proj"
+    return None
 
 
 def padding_mask(positions: torch.Tensor) -> torch.Tensor:
