@@ -86,6 +86,8 @@ def start_server(args, port: int) -> subprocess.Popen:
            "--max-num-seqs", str(args.max_num_seqs), "--cache-mb", str(args.cache_mb), "--log-level", "warning"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.no_packed_steps:
+        cmd += ["--no-packed-steps"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
     deadline = time.time() + args.start_timeout
     while True:
@@ -109,7 +111,8 @@ def in_process_tpot(args, prompt: list[int], out_len: int) -> float:
     from runtime.engine import Engine, SamplingParams
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     engine = Engine.from_pretrained(args.model, dtype=dtype, compile=args.compile, max_num_seqs=args.max_num_seqs,
-                                    cache_memory=args.cache_mb << 20)
+                                    cache_memory=args.cache_mb << 20,
+                                    packed_steps=False if args.no_packed_steps else None)
     params = SamplingParams(max_tokens=out_len, ignore_eos=True)
     best = float("inf")
     for _ in range(3):  # the first run compiles and records the decode graphs
@@ -132,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-packed-steps", action="store_true",
+                    help="the server's prefills in padded steps (the baseline of packed steps under load)")
     ap.add_argument("--out", help="JSON path (markdown next to it)")
     ap.add_argument("--plot", help="draw the PNG of a results JSON and exit")
     args = ap.parse_args(argv)

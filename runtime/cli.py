@@ -272,6 +272,7 @@ def cmd_generate(args) -> int:
                                     expert_parallel=args.expert_parallel, expert_placement=args.expert_placement,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                    packed_steps=False if args.no_packed_steps else None,
                                     allow_missing_weights=args.allow_missing_weights,
                                     trust_remote_code=args.trust_remote_code)
     live = sys.stderr.isatty() and not args.json and os.environ.get("RANK", "0") == "0"
@@ -329,6 +330,7 @@ def cmd_serve(args) -> int:
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, compile=args.compile,
                                     cache_memory=args.cache_mb << 20 if args.cache_mb else None,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                    packed_steps=False if args.no_packed_steps else None,
                                     max_num_seqs=args.max_num_seqs, allow_missing_weights=args.allow_missing_weights,
                                     trust_remote_code=args.trust_remote_code)
     if not args.no_warmup:
@@ -479,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags.add_argument("--cache-mb", type=_int_at_least(1),
                               help="cache memory budget in MiB (default: 90%% of free GPU memory / 256)")
     engine_flags.add_argument("--max-num-batched-tokens", type=_int_at_least(1),
-                              help="padded tokens of a prefill step that starts several prompts (default 8192)")
+                              help="tokens of one step that prefills (default 8192)")
+    engine_flags.add_argument("--no-packed-steps", action="store_true",
+                              help="prefill in padded steps without the decodes, not in packed steps beside them")
 
     g = sub.add_parser("generate", parents=[debug, loading, engine_flags],
                        help="generate with the continuous-batching engine (paged caches, SSM slots)")
