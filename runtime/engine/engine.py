@@ -10,6 +10,7 @@ except under tensor parallelism, where it stops the engine (``RankFailure``: the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import os
@@ -240,23 +241,16 @@ class Engine:
         if n < 4:
             return
         runner = self.runner
-        saved = runner.forward, runner.graphs_enabled, dict(self.stats)
-        runner.forward, runner.graphs_enabled = model.forward, False
-        self._probe_errors = []
         ids = [i % self.vocab_size for i in range(1, n + 1)]
         padding = None
         try:
-            outs = self.generate([ids[:3], ids, ids[1:] + ids[:1]], SamplingParams(max_tokens=2, ignore_eos=True))
-            if runner.can_pad_states and self.scheduler.max_prefill_seqs > 1 and not self._probe_errors:
-                padding = self._padding_probe(ids)
+            with self._probing(model) as errors:
+                outs = self.generate([ids[:3], ids, ids[1:] + ids[:1]], SamplingParams(max_tokens=2, ignore_eos=True))
+                if runner.can_pad_states and self.scheduler.max_prefill_seqs > 1 and not errors:
+                    padding = self._padding_probe(ids)
         except ValueError as e:  # the probe's requests do not fit this engine (a cache of a few blocks): no probe
             log.debug("hybrid engine: no construction probe (%s)", e)
             return
-        finally:
-            runner.forward, runner.graphs_enabled, errors = saved[0], saved[1], self._probe_errors
-            self.stats, self._probe_errors = saved[2], None
-            self._seqs.clear()
-            self.reset_expert_loads()
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             raise Unsupported(f"{type(model).__name__}'s forward over the engine's cache: a probe request failed "
@@ -275,31 +269,40 @@ class Engine:
             self.prefill_batch_note = f"state layers: prompts of equal length per prefill step ({padding})"
             log.info("hybrid engine: %s", self.prefill_batch_note)
 
+    @contextlib.contextmanager
+    def _probing(self, model, **scheduler):
+        """Probe requests through the engine's own steps, the HF forward run eagerly (no compile, no CUDA graph),
+        with the ``scheduler`` settings given: yields the list that collects their steps' errors. Afterwards the
+        runner, the statistics, those settings and the expert loads are as before, and no probe request is left."""
+        runner, sched = self.runner, self.scheduler
+        saved = runner.forward, runner.graphs_enabled, dict(self.stats), {k: getattr(sched, k) for k in scheduler}
+        runner.forward, runner.graphs_enabled = model.forward, False
+        for name, value in scheduler.items():
+            setattr(sched, name, value)
+        errors = self._probe_errors = []
+        try:
+            yield errors
+        finally:
+            runner.forward, runner.graphs_enabled, self.stats = saved[:3]
+            for name, value in saved[3].items():
+                setattr(sched, name, value)
+            self._probe_errors = None
+            self._seqs.clear()
+            self.reset_expert_loads()
+
     def _packed_probe(self, model, prompts: list[list[int]], want: list[list[int]]) -> None:
         """Turn packed steps on (``Scheduler.packed``) where they give the tokens the padded steps gave: the probe's
         prompts again, in chunks of 4 within steps of 8 tokens, so that decodes share steps with chunks continuing
         prompts at several points; the HF forward run eagerly. Any error or other token leaves them off, and
         ``packed_note`` says why."""
-        runner, sched = self.runner, self.scheduler
-        saved = runner.forward, runner.graphs_enabled, dict(self.stats), sched.max_prefill_tokens, \
-            sched.max_num_batched_tokens
-        runner.forward, runner.graphs_enabled, self._probe_errors = model.forward, False, []
-        sched.packed, sched.max_prefill_tokens, sched.max_num_batched_tokens = True, 4, 8
-        try:
+        with self._probing(model, packed=True, max_prefill_tokens=4, max_num_batched_tokens=8) as errors:
             got = [o.token_ids for o in self.generate(prompts, SamplingParams(max_tokens=len(want[0]),
                                                                               ignore_eos=True))]
-            errors = self._probe_errors
-        finally:
-            runner.forward, runner.graphs_enabled, self.stats = saved[:3]
-            sched.max_prefill_tokens, sched.max_num_batched_tokens = saved[3:]
-            self._probe_errors = None
-            self._seqs.clear()
-            self.reset_expert_loads()
         if errors:
             self.packed_note = f"a packed step failed: {_where(errors[-1])}"
         elif got != want:
             self.packed_note = f"packed steps gave tokens {got} where padded steps gave {want}"
-        sched.packed = self.packed_note is None
+        self.scheduler.packed = self.packed_note is None
         if self.packed_note:
             log.info("hybrid engine: steps that prefill are padded, not packed (%s)", self.packed_note)
 
