@@ -117,6 +117,63 @@ def test_packed_steps_mix_decodes_and_chunks(name):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("counts,ctx", [([1, 70, 5], [30, 70, 12]), ([64, 1, 100], [64, 9, 130]), ([80], [95])])
+def test_packed_mla_forms_agree(counts, ctx):
+    """A packed MLA step's two forms compute the same attention: sequences with 64+ tokens expanded (latents through
+    kv_b_proj, hybrid::varlen_attention), the rest absorbed (hybrid::mla_prefill), against the whole step absorbed;
+    shuffled pages, a decode, chunks continuing prompts and a fresh prompt (fp32)."""
+    from runtime.engine import attention
+    from runtime.engine.model_runner import ModelRunner, mla_split_arg
+    torch.manual_seed(0)
+    module = zoo.build("deepseek_v3").model.layers[0].self_attn
+    h = module.config.num_attention_heads
+    lat, rope = module.kv_lora_rank, module.qk_rope_head_dim
+    bs, n = 4, sum(counts)
+    nb = max(-(-c // bs) for c in ctx)
+    table = torch.randperm(len(counts) * nb + 8)[:len(counts) * nb].view(len(counts), nb) + 1
+    pages = torch.randn((len(counts) * nb + 9) * bs, 1, lat + rope)
+    query = torch.randn(1, h, n, module.qk_nope_head_dim + rope)
+    counts_t, ends = torch.tensor(counts), torch.tensor(ctx)
+    cu = torch.cat([counts_t.new_zeros(1), counts_t.cumsum(0)])
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    kwargs = {"hybrid_latent_pages": {module.layer_idx: pages}, "hybrid_block_size": bs,
+              "hybrid_packed_table": table.to(torch.int32), "hybrid_cu_q": cu.to(torch.int32),
+              "hybrid_ctx": ends.to(torch.int32)}
+    with torch.no_grad():
+        absorbed, _ = attention._packed_mla(module, query, module.scaling, 0.0, kwargs)
+        split = ModelRunner._mla_split(counts_t, owner, table, ends, bs)
+        assert split and len(split["long_rows"]) == sum(c for c in counts if c >= 64)
+        both, _ = attention._packed_mla(module, query, module.scaling, 0.0,
+                                        {**kwargs, "hybrid_mla_split": mla_split_arg(split)})
+    assert both.shape == absorbed.shape == (1, n, h, module.v_head_dim)
+    torch.testing.assert_close(both, absorbed, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_mla_expands_long_chunks():
+    """In a packed MLA step, sequences with 64 or more tokens in the step attend in the expanded form (their
+    latents expanded through kv_b_proj, hybrid::varlen_attention), the decodes and short chunks beside them in the
+    absorbed form; greedy tokens equal HF's."""
+    prompts = [list(range(5, 10)), [3 + i % 90 for i in range(100)], [7 + i % 80 for i in range(70)]]
+    want = [hf_greedy("deepseek_v3", p, 6) for p in prompts]
+    engine = Engine(zoo.build("deepseek_v3"), compile="hybrid-eager", block_size=4, max_prefill_tokens=80,
+                    max_num_batched_tokens=96)
+    assert engine.scheduler.packed, engine.packed_note
+    splits, real = [], engine.runner._mla_split
+    engine.runner._mla_split = lambda *a: splits.append(real(*a)) or splits[-1]
+    steps = _steps(engine)
+    params = SamplingParams(max_tokens=6)
+    ids = [engine.add_request(prompts[0], params)]
+    engine.step()
+    ids += [engine.add_request(p, params) for p in prompts[1:]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(r).token_ids for r in ids] == want
+    assert any(kind == "packed" and d >= 1 and max(t) >= 64 for kind, d, t in steps), steps
+    # both forms in one step: a decode (absorbed) beside a chunk of 64+ tokens (expanded)
+    assert any(m and len(m["short_rows"]) and len(m["long_rows"]) >= 64 for m in splits), splits
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name,kwargs,why", [("gpt_oss", {}, "attention sinks"),
                                              ("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
                                              ("bamba", {}, "state layers")])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybrid_kernels.attention.ops import varlen_attention
@@ -142,21 +143,44 @@ def _packed(query, buf, scaling, sliding_window, dropout, kwargs):
 def _packed_mla(module, query, scaling, dropout, kwargs):
     """A packed step of an MLA layer: query [1, H, N, P + R] (HF's nope | rope parts) against the layer's latent
     pages ``hybrid_latent_pages[module.layer_idx]`` ([rows, 1, L + R], rows ``[latent | rope key]``, the step's rows
-    written). Absorbed: q_nope @ W_UK scores against the latents, ``hybrid::mla_prefill`` attends each token causally
-    to its own sequence's positions, the output latents @ W_UV^T are the heads' values -> [1, N, H, V]. The runner
-    checked that the module's ``expand_kv`` is this split of ``kv_b_proj`` (``ModelRunner._mla_note``)."""
+    written) -> [1, N, H, V]. Each token attends causally to its own sequence's positions, in one of two forms (the
+    runner checked that the module's ``expand_kv`` is the per-head split of ``kv_b_proj``: ``_expand_kv_mismatch``):
+    - absorbed (decodes, short chunks): q_nope @ W_UK scores against the cached latents through
+      ``hybrid::mla_prefill``, the output latents @ W_UV^T are the heads' values;
+    - expanded (sequences with at least ``EXPANDED_MIN_QUERIES`` tokens in the step, ``hybrid_mla_split``, as
+      ``hybrid::mla_attention`` chooses for prompts): their contexts' latents gathered page by page, expanded
+      through kv_b_proj into per-head keys and values, ``hybrid::varlen_attention`` over them (fewer FLOPs per
+      query-key pair: P + R + V against 2L + R)."""
     _unsupported_on_packed(dropout, kwargs)
     pages = kwargs["hybrid_latent_pages"][module.layer_idx]
+    bs, w = kwargs["hybrid_block_size"], module.kv_b_proj.weight
     h, p = query.shape[1], module.qk_nope_head_dim
-    w_uk, w_uv = split_kv_b(module.kv_b_proj.weight, h, p)
-    q_lat = per_head_matmul(query[..., :p], w_uk)[0].transpose(0, 1)  # [N, H, L]
-    q_rope = query[0, :, :, p:].transpose(0, 1)  # [N, H, R]
-    bs = kwargs["hybrid_block_size"]
-    o_lat = mla_prefill(q_lat, q_rope, pages.view(-1, bs, pages.shape[-1]), kwargs["hybrid_packed_table"],
-                        kwargs["hybrid_ctx"], kwargs["hybrid_cu_q"],
-                        scale=scaling if scaling is not None else query.shape[-1] ** -0.5)
-    out = per_head_matmul(o_lat.transpose(0, 1)[None].to(query.dtype), w_uv.transpose(-1, -2))  # [1, H, N, V]
-    return out.transpose(1, 2), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [N, H, P + R]
+    split = kwargs.get("hybrid_mla_split")
+    if split is None:
+        return _absorbed(q, pages, w, p, bs, scale, kwargs["hybrid_packed_table"], kwargs["hybrid_cu_q"],
+                         kwargs["hybrid_ctx"])[None], None
+    short, long, gather = split
+    lat = pages.view(-1, pages.shape[-1])[gather]  # [rows, L + R]: the long sequences' pages, in order
+    kv = F.linear(lat[:, :w.shape[1]], w).view(lat.shape[0], h, -1)  # [rows, H, P + V]
+    k_rope = lat[:, None, w.shape[1]:].expand(-1, h, -1)
+    buf = torch.cat([kv[..., p:], kv[..., :p], k_rope], dim=-1)  # rows [v | k_nope | k_rope]
+    rows, cu, ctx, table = long
+    out = q.new_empty(q.shape[0], h, kv.shape[-1] - p)
+    out[rows] = varlen_attention(q[rows], buf, table, cu, ctx, kv.shape[-1] - p, bs, 0, scale).to(out.dtype)
+    if short is not None:
+        rows, cu, ctx, table = short
+        out[rows] = _absorbed(q[rows], pages, w, p, bs, scale, table, cu, ctx)
+    return out[None], None
+
+
+def _absorbed(q, pages, w, p, bs, scale, table, cu, ctx):
+    """q [N, H, P + R] -> [N, H, V] through the latent pages (``_packed_mla``'s absorbed form)."""
+    w_uk, w_uv = split_kv_b(w, q.shape[1], p)
+    q_lat = per_head_matmul(q[None, :, :, :p].transpose(1, 2), w_uk)[0].transpose(0, 1)  # [N, H, L]
+    o_lat = mla_prefill(q_lat, q[:, :, p:], pages.view(-1, bs, pages.shape[-1]), table, ctx, cu, scale=scale)
+    return per_head_matmul(o_lat.transpose(0, 1)[None].to(q.dtype), w_uv.transpose(-1, -2))[0].transpose(0, 1)
 
 
 def _model_attention(module, query, key, value, mask, dropout, scaling, sliding_window, kwargs):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybrid_kernels.mla.ops import EXPANDED_MIN_QUERIES
 from hybrid_kernels.mla.reference import per_head_matmul, split_kv_b
 from hybrid_kernels.sampling.ops import greedy_ids
 from runtime.hf import cache_kwarg
@@ -269,7 +270,9 @@ class ModelRunner:
         positions = torch.tensor(starts)[owner] + torch.arange(len(ids)) - cu[owner]
         host_table = torch.tensor(table, dtype=torch.long).view(len(step.seqs), nb)
         writes = host_table[owner, positions // bs] * bs + positions % bs
-        ids, positions, writes, table, cu, ctx = self._upload([ids, positions, writes, host_table.view(-1), cu, ends])
+        split = self._mla_split(counts, owner, host_table, torch.tensor(ends), bs) if self.paged_latent else {}
+        ids, positions, writes, table, cu, ctx, *maps = self._upload(
+            [ids, positions, writes, host_table.view(-1), cu, ends, *split.values()])
         n = ids.shape[0]
         self.cache.bind(writes, writes.view(1, n), None, paged=True, packed=True)
         kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions.view(1, n),
@@ -278,11 +281,42 @@ class ModelRunner:
                   "hybrid_packed_table": table.view(len(step.seqs), nb).to(torch.int32), "hybrid_block_size": bs}
         if self.paged_latent:  # MLA layers read their latent pages (attention.py), found by the module's layer_idx
             kwargs["hybrid_latent_pages"] = tuple(getattr(layer, "buf", None) for layer in self.cache.layers)
+            if split:
+                kwargs["hybrid_mla_split"] = mla_split_arg(dict(zip(split, maps)))
         logits = self.forward(ids.view(1, n), **kwargs).logits
         for seq, k in zip(step.seqs, step.num_tokens):
             seq.num_cached += k
         done = [s.num_uncached == 0 for s in step.seqs]
         return self._sample_async(Pending(step, done), logits[0][:, None], None)
+
+    @staticmethod
+    def _mla_split(counts: torch.Tensor, owner: torch.Tensor, table: torch.Tensor, ends: torch.Tensor,
+                   bs: int) -> dict[str, torch.Tensor]:
+        """A packed MLA step's sequences of at least ``EXPANDED_MIN_QUERIES`` tokens attend in the expanded form
+        (``attention._packed_mla``: their contexts' latents gathered page by page and expanded through kv_b_proj),
+        the others in the absorbed form. Host maps of both groups (token rows, query offsets, key counts, block
+        tables; for the long ones the gathered rows and their tables of consecutive pages), flattened for the
+        upload; {} when no sequence is long (the whole step absorbed)."""
+        long = counts >= EXPANDED_MIN_QUERIES
+        if not bool(long.any()):
+            return {}
+        maps = {}
+        for name, group in (("short", ~long), ("long", long)):
+            seqs = torch.nonzero(group).flatten()
+            c = counts[seqs]
+            maps[f"{name}_rows"] = torch.nonzero(group[owner]).flatten()
+            maps[f"{name}_cu"] = torch.cat([c.new_zeros(1), c.cumsum(0)])
+            maps[f"{name}_ctx"] = ends[seqs]
+            maps[f"{name}_table"] = table[seqs]
+        seqs = torch.nonzero(long).flatten()
+        blocks = -(-ends[seqs] // bs)  # pages holding each long sequence's keys
+        first = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)[:-1]])
+        width = int(blocks.max())
+        pages = table[seqs, :width]
+        keep = torch.arange(width)[None, :] < blocks[:, None]
+        maps["long_gather"] = (pages[keep][:, None] * bs + torch.arange(bs)[None, :]).flatten()
+        maps["long_table"] = torch.where(keep, first[:, None] + torch.arange(width)[None, :], 0)
+        return {k: v.reshape(-1) for k, v in maps.items()}
 
     @staticmethod
     def _prefill_rows(step: Step) -> tuple[list[int], list[int], list[int], int]:
@@ -528,6 +562,16 @@ def _expand_kv_mismatch(modules: list, layers: int) -> str | None:
                 and torch.allclose(value.float(), want_v.float(), rtol=1e-2, atol=1e-2)):
             return f"MLA attention {type(m).__name__} whose expand_kv is not the per-head split of kv_b_proj"
     return None
+
+
+def mla_split_arg(maps: dict[str, torch.Tensor]) -> tuple:
+    """``ModelRunner._mla_split``'s maps (on the device) as the ``hybrid_mla_split`` kwarg: (short group or None,
+    long group, the long contexts' rows); a group is (token rows, cu_q, keys per sequence, block table), the rows
+    int64 for indexing, the rest int32 for the kernels."""
+    groups = [(maps[f"{g}_rows"], maps[f"{g}_cu"].to(torch.int32), maps[f"{g}_ctx"].to(torch.int32),
+               maps[f"{g}_table"].view(maps[f"{g}_ctx"].shape[0], -1).to(torch.int32))
+              if maps[f"{g}_rows"].shape[0] else None for g in ("short", "long")]
+    return (*groups, maps["long_gather"])
 
 
 def padding_mask(positions: torch.Tensor) -> torch.Tensor:
