@@ -10,6 +10,11 @@ greedy, EOS ignored. Per variant: time to first token (all B prefills), then tim
 ``--eager-output`` new tokens (it is slow; per-token cost barely moves over that range), the others on
 ``--output``. Compiled variants are warmed up first (compilation and CUDA-graph recording are not timed).
 
+Prefill roofline: the FLOPs of prefilling the B prompts at 790 TFLOP/s: two per weight a token meets (experts:
+k of E; not the input embedding; the output head only at each prompt's last token) per prompt token, plus causal
+attention's QK^T and PV over prompt * (prompt + 1) / 2 pairs per head and attention layer (at the expanded widths for
+MLA); SSM / delta-rule scans are not counted. TTFT's share of it is "% prefill roofline".
+
 Step roofline: the bytes one decode step must move at 4.3 TB/s: every weight the step touches (experts:
 the expected number of distinct experts hit by B tokens under uniform routing, E(1 - (1 - k/E)^B); the
 input embedding: B rows), the cache read at the mean decode context (prompt + output/2), SSM states read
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 import time
 import traceback
@@ -29,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import HBM_BPS, log, write  # noqa: E402
+from bench.common import HBM_BPS, PEAK_FLOPS, log, write  # noqa: E402
 from runtime import zoo  # noqa: E402
 from runtime.hf import quiet_transformers  # noqa: E402
 from runtime.engine import Engine, SamplingParams  # noqa: E402
@@ -81,6 +87,28 @@ def step_roofline_ms(model, engine: Engine, batch: int, context: float) -> tuple
     parts = dict(weights=weight_bytes_touched(model, batch), cache=batch * context * cache_per_token,
                  states=2 * batch * state_per_seq)
     return sum(parts.values()) / HBM_BPS * 1e3, parts
+
+
+def prefill_roofline_ms(model, engine: Engine, batch: int, prompt: int) -> float:
+    """The module docstring's prefill roofline (ms) of ``batch`` prompts of ``prompt`` tokens."""
+    cfg = model.config.get_text_config()
+    e, k = num_experts(cfg)
+    embed = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    per_token = 0.0
+    for name, p in model.named_parameters():
+        if p is embed or p is head or p.dim() < 2:
+            continue
+        fused = e and ".experts." in name and p.dim() == 3 and p.shape[0] == e
+        listed = e and re.search(r"\.experts\.\d+\.", name)
+        per_token += p.numel() * (k / e if fused or listed else 1)
+    flops = 2 * per_token * batch * prompt + (2 * batch * head.numel() if head is not None else 0)
+    if engine.cache.attention:
+        heads = cfg.num_attention_heads
+        qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        v = getattr(cfg, "v_head_dim", None) or qk
+        flops += len(engine.cache.attention) * batch * prompt * (prompt + 1) / 2 * 2 * heads * (qk + v)
+    return flops / PEAK_FLOPS * 1e3
 
 
 # -- variants -------------------------------------------------------------------------------------------
@@ -237,6 +265,7 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     if b in eager_ids:
                         row["agreeing_prefix"] = agreeing_prefix(out, eager_ids[b])
                     roof, parts = step_roofline_ms(model, engine, b, args.prompt + args.output / 2)
+                    row["prefill_roofline_ms"] = prefill_roofline_ms(model, engine, b, args.prompt)
                     row.update(roofline_ms=roof, roofline_parts_mb={k: v / 2**20 for k, v in parts.items()},
                                cache_bytes_per_token_per_layer=[l.buf[0].numel() * l.buf.element_size()
                                                                 for l in engine.cache.attention][:1],
@@ -253,11 +282,13 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
         engines.pop(variant, None)
         engine = None
         torch._dynamo.reset()
-    for r in rows:  # the step roofline is the same bytes whoever runs the step
+    for r in rows:  # the rooflines are the same bytes and FLOPs whoever runs the step
         ref = next((x for x in rows if x["batch"] == r["batch"] and "roofline_ms" in x), None)
         if ref and "tpot_ms" in r:
             r["roofline_ms"] = ref["roofline_ms"]
             r["pct_roofline"] = 100 * ref["roofline_ms"] / r["tpot_ms"]
+            r["prefill_roofline_ms"] = ref["prefill_roofline_ms"]
+            r["pct_prefill_roofline"] = 100 * ref["prefill_roofline_ms"] / r["ttft_ms"]
     del model, engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
@@ -280,7 +311,7 @@ def parse_options(text: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | variant | B | new tokens | TTFT ms | TPOT ms | host busy ms/step | decode tok/s | x HF eager "
-             "| % step roofline | roofline ms | agreeing prefix vs eager | note |", "|" + "---|" * 13]
+             "| % step roofline | roofline ms | % prefill roofline | agreeing prefix vs eager | note |", "|" + "---|" * 14]
     eager = {(r["model"], r["batch"]): r for r in rows if r["variant"] == "hf-eager" and "tok_s" in r}
     plain = {(r["model"], r["batch"]): r for r in rows if r["variant"] == "hybrid-engine" and "tpot_ms" in r}
     for r in rows:
@@ -292,7 +323,7 @@ def table(rows: list[dict]) -> str:
         f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
         lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['new_tokens']} | {f('ttft_ms', '.1f')} | "
                      f"{f('tpot_ms', '.3f')} | {f('host_busy_ms', '.3f')} | {f('tok_s', '.0f')} | {ratio} | {f('pct_roofline', '.0f')} | "
-                     f"{f('roofline_ms', '.3f')} | {f('agreeing_prefix', '.1f')} | {r.get('error', r.get('note', ''))} |")
+                     f"{f('roofline_ms', '.3f')} | {f('pct_prefill_roofline', '.0f')} | {f('agreeing_prefix', '.1f')} | {r.get('error', r.get('note', ''))} |")
     return "\n".join(lines)
 
 
