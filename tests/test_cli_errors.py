@@ -288,6 +288,26 @@ def test_outputs_follow_the_order_of_the_prompts_and_hold_no_special_tokens(run_
     assert all("</s>" not in o["text"] and "<s>" not in o["text"] for o in outputs)
 
 
+def test_no_packed_steps_gives_the_same_tokens(run_cli, monkeypatch):
+    """--no-packed-steps prefills in padded steps; the tokens are the packed steps' (greedy)."""
+    import json
+
+    from runtime.engine import Engine
+    built, real = [], Engine.from_pretrained.__func__
+
+    def spy(cls, *a, **kw):
+        built.append(real(cls, *a, **kw))
+        return built[-1]
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy))
+    args = ["generate", "llama", "--compile", "none", "--prompt-ids", "5,6,7", "--prompt-ids", "9,10,11,12,13",
+            "--max-new-tokens", "6", "--json"]
+    runs = [run_cli(*args), run_cli(*args, "--no-packed-steps")]
+    assert all(code == 0 for code, _, _ in runs), runs
+    assert [e.scheduler.packed for e in built] == [True, False] and built[1].packed_note == "packed_steps=False"
+    packed, padded = ([o["token_ids"] for o in json.loads(out)["outputs"]] for _, out, _ in runs)
+    assert packed == padded and all(len(t) == 6 for t in packed)
+
+
 @pytest.mark.parametrize("args, message", [
     (["demo", "--tokens", "0"], "argument --tokens: must be an integer >= 1, got 0"),
     (["demo", "--new-tokens", "x"], "argument --new-tokens: must be an integer >= 1, got 'x'"),
