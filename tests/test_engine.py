@@ -196,6 +196,12 @@ def test_packed_mla_checks_expand_kv(monkeypatch):
         real(self, kv, rot)[0], 2 * real(self, kv, rot)[1]))
     engine = Engine(zoo.build("deepseek_v3"), compile="hybrid-eager")
     assert not engine.scheduler.packed and "expand_kv is not the per-head split" in engine.packed_note
+    from runtime.engine.model_runner import _expand_kv_mismatch
+    monkeypatch.undo()
+    module = zoo.build("deepseek_v3").model.layers[0].self_attn
+    assert _expand_kv_mismatch([module], 1) is None
+    module.expand_kv = lambda kv: kv  # another signature
+    assert "expand_kv failed on latents (TypeError" in _expand_kv_mismatch([module], 1)
 
 
 def test_packed_probe_turns_packed_steps_off_when_tokens_differ(monkeypatch):

@@ -552,7 +552,10 @@ def _expand_kv_mismatch(modules: list, layers: int) -> str | None:
         heads = w.shape[0] // (m.qk_nope_head_dim + m.v_head_dim)
         lat = torch.randn(1, 1, 3, w.shape[1], dtype=w.dtype, device=w.device)
         rot = torch.randn(1, 1, 3, m.qk_rope_head_dim, dtype=w.dtype, device=w.device)
-        key, value = m.expand_kv(lat, rot)
+        try:
+            key, value = m.expand_kv(lat, rot)
+        except Exception as e:  # noqa: BLE001  (a method of another signature or contract: no packed steps)
+            return f"MLA attention {type(m).__name__}'s expand_kv failed on latents ({type(e).__name__}: {e})"
         w_uk, w_uv = split_kv_b(w, heads, m.qk_nope_head_dim)
         want_k = torch.cat([per_head_matmul(lat.expand(1, heads, 3, -1), w_uk.transpose(-1, -2)),
                             rot.expand(1, heads, 3, -1)], dim=-1)
