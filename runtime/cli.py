@@ -337,8 +337,10 @@ def cmd_serve(args) -> int:
         t0 = time.perf_counter()
         engine.warmup(args.warmup_context, progress=lambda msg: _say(f"[{time.perf_counter() - t0:6.1f}s] {msg}"))
     name = args.served_model_name or args.model
-    _say(f"serving {name} on http://{args.host}:{args.port}/v1 (completions, chat/completions, models; /health)")
-    serve(engine, name, args.host, args.port, log_level="debug" if _debug(args) else args.log_level)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    serve(engine, name, args.host, args.port, log_level="debug" if _debug(args) else args.log_level,
+          announce=lambda port: _say(f"serving {name} on http://{host}:{port}/v1 (completions, chat/completions, "
+                                     "models; /health)"))
     return 0
 
 

@@ -268,14 +268,22 @@ def test_a_failing_step_is_a_json_500_and_the_server_goes_on():
 
 
 def test_hybrid_serve_command(tmp_path):
-    """The CLI entry point, as a user starts it: it warms up, serves, and Ctrl-C stops it."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", MODEL, "--port", str(port), "--compile",
+    """The CLI entry point, as a user starts it: it warms up, serves on the port it announces (--port 0: one the
+    system chose), and Ctrl-C stops it."""
+    import re
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", MODEL, "--port", "0", "--compile",
                              "none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
     try:
-        deadline = time.time() + 120
+        while not (found := re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", lines[-1] if lines else "")):
+            line = proc.stdout.readline()
+            assert line, "".join(lines) or "no start"
+            lines.append(line)
+        port = int(found.group(1))
+        assert port != 0
+        deadline = time.time() + 60
         while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "no start"
+            assert proc.poll() is None and time.time() < deadline, "no /health"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
@@ -285,8 +293,8 @@ def test_hybrid_serve_command(tmp_path):
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     finally:
         proc.send_signal(2)
-        out = proc.communicate(timeout=60)[0]
-    assert f"serving {MODEL} on http://127.0.0.1:{port}/v1" in out and "Traceback" not in out
+        out = "".join(lines) + proc.communicate(timeout=60)[0]
+    assert "Traceback" not in out
     assert "warm-up done" in out.split("serving")[0], "the server listened before its warm-up"
 
 

@@ -451,7 +451,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{where}: this model has no tokenizer (no tokenizer files in its directory): pass "
-                                 "token ids (--prompt-ids) instead of text")
+                                 "token ids instead of text (hybrid generate: --prompt-ids)")
             return list(self.tokenizer(prompt)["input_ids"])
         return token_ids(where, prompt)
 
@@ -468,7 +468,7 @@ class Engine:
             if bad:
                 raise ValueError(f"{where}: {what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if self.max_model_len is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            raise ValueError(f"{where}: {len(ids)} prompt tokens + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's maximum length of {self.max_model_len} tokens{self.length_note}")
         seq = Sequence(ids, params)
         self.scheduler.check(seq)
