@@ -87,24 +87,30 @@ def _steps(engine) -> list[tuple[str, int, list[int]]]:
     return steps
 
 
+def _staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The first prompt alone for one step, then the others arriving while it decodes; greedy tokens of each."""
+    params = SamplingParams(max_tokens=max_tokens)
+    ids = [engine.add_request(prompts[0], params)]
+    engine.step()
+    ids += [engine.add_request(p, params) for p in prompts[1:]]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.output(r).token_ids for r in ids]
+
+
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
 def test_packed_steps_mix_decodes_and_chunks(name):
-    """Attention-only models (MLA included: absorbed attention over the latent pages) take packed steps: the decoding sequences and chunks of prompts (fresh ones and ones
-    continuing from several points) in one unpadded forward within the token budget; a decoding request gets a
-    token at every step while a long prompt prefills; greedy tokens equal HF's."""
+    """Models without state layers (MLA included: attention over the latent pages) take packed steps: the decoding
+    sequences and chunks of prompts (fresh ones and ones continuing from several points) in one unpadded forward
+    within the token budget; a decoding request gets a token at every step while a long prompt prefills; greedy
+    tokens equal HF's."""
     prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
     want = [hf_greedy(name, p, 8) for p in prompts]
     engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4, max_prefill_tokens=8,
                     max_num_batched_tokens=12)
     assert engine.scheduler.packed and engine.packed_note is None
     steps = _steps(engine)
-    params = SamplingParams(max_tokens=8)
-    first = engine.add_request(prompts[0], params)
-    engine.step()  # the short prompt alone
-    rest = [engine.add_request(p, params) for p in prompts[1:]]
-    while engine.has_unfinished():
-        engine.step()
-    assert [engine.output(r).token_ids for r in [first] + rest] == want
+    assert _staggered(engine, prompts, 8) == want  # the short prompt alone for a step, then the others
     packed = [s for s in steps if s[0] == "packed"]
     assert steps[0] == ("packed", 0, [5])
     # the 30-token prompt goes in chunks cut to the budget beside the decoding request; all chunks are unpadded
@@ -161,13 +167,7 @@ def test_packed_mla_expands_long_chunks():
     splits, real = [], engine.runner._mla_split
     engine.runner._mla_split = lambda *a: splits.append(real(*a)) or splits[-1]
     steps = _steps(engine)
-    params = SamplingParams(max_tokens=6)
-    ids = [engine.add_request(prompts[0], params)]
-    engine.step()
-    ids += [engine.add_request(p, params) for p in prompts[1:]]
-    while engine.has_unfinished():
-        engine.step()
-    assert [engine.output(r).token_ids for r in ids] == want
+    assert _staggered(engine, prompts, 6) == want
     assert any(kind == "packed" and d >= 1 and max(t) >= 64 for kind, d, t in steps), steps
     # both forms in one step: a decode (absorbed) beside a chunk of 64+ tokens (expanded)
     assert any(m and len(m["short_rows"]) and len(m["long_rows"]) >= 64 for m in splits), splits
@@ -750,14 +750,9 @@ def test_compiled_packed_steps_on_the_gpu(name):
     engine = Engine(model, compile="hybrid-cudagraphs", max_num_seqs=4, block_size=4, max_prefill_tokens=8,
                     max_num_batched_tokens=12)
     steps = _steps(engine)
-    params = SamplingParams(max_tokens=8)
-    ids = [engine.add_request(prompts[0], params)]
-    engine.step()
-    ids += [engine.add_request(p, params) for p in prompts[1:]]
-    while engine.has_unfinished():
-        engine.step()
+    got = _staggered(engine, prompts, 8)
     torch._dynamo.reset()
-    assert [engine.output(r).token_ids for r in ids] == ref
+    assert got == ref
     assert any(kind == "packed" and d >= 1 and len(t) > d for kind, d, t in steps), steps
     assert engine.runner._graphs, "decode-only steps replay CUDA graphs"
 
