@@ -23,14 +23,13 @@ from torch import fx
 
 from graphs.modules import MLA, node_module_keys
 from graphs.regions import Region, Rewrite, RewriteError, concrete, extract_subgraph, is_inplace, node_value, view_base
+from hybrid_kernels.mla.ops import PREFILL
 from hybrid_kernels.numerics import close
 
 from .base import Fused, PassContext, RegionPass, Skip, eager_probe
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 _LINEAR = {torch._C._nn.linear, F.linear}
-#: the op the engine's packed-step attention calls for MLA layers (runtime/engine/attention.py)
-_PACKED = {torch.ops.hybrid.mla_prefill, torch.ops.hybrid.mla_prefill.default}
 #: what the replaced sub-graph may contain besides the anchors
 _ALLOWED_METHODS = {"view", "reshape", "transpose", "expand", "new_empty", "copy_", "contiguous", "split", "to"}
 _ALLOWED_FUNCS = _SDPA | _LINEAR | {operator.getitem, torch.split, torch.functional.split, torch.cat}
@@ -45,7 +44,7 @@ class FuseMLA(RegionPass):
 
     def plan(self, ctx: PassContext, region: Region) -> Rewrite:
         sdpa = [n for n in region.nodes if n.op == "call_function" and n.target in _SDPA]
-        if not sdpa and any(n.op == "call_function" and n.target in _PACKED for n in region.nodes):
+        if not sdpa and any(n.op == "call_function" and n.target in PREFILL for n in region.nodes):
             raise Fused("absorbed latent attention over the engine's paged latent cache on a packed step "
                         "(hybrid::mla_prefill, called by the engine's attention function)")
         if len(sdpa) != 1:

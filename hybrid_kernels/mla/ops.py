@@ -216,6 +216,9 @@ def write_rows(buf: Tensor, slots: Tensor, latent: Tensor, k_rope: Tensor) -> No
 #: the op ``write_rows`` calls, as the decode-step pass finds it in a graph (dynamo records the packet, later stages
 #: the overload)
 CACHE_WRITE = (torch.ops.hybrid.mla_cache_write, torch.ops.hybrid.mla_cache_write.default)
+#: the op the engine's packed-step attention calls for MLA layers (runtime/engine/attention.py), as passes/mla.py
+#: finds it in a graph
+PREFILL = (torch.ops.hybrid.mla_prefill, torch.ops.hybrid.mla_prefill.default)
 
 
 def _attend_pages(q_lat: Tensor, q_rope: Tensor, buf: Tensor, block_table: Tensor, seq_lens: Tensor, w_uv: Tensor,
