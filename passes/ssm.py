@@ -24,7 +24,7 @@ from graphs.regions import Region, Rewrite, is_inplace, node_value
 from hybrid_kernels.numerics import close
 from hybrid_kernels.ssm.spec import Mamba1Spec, Mamba1Weights, Mamba2Spec, Mamba2Weights
 
-from .base import PassContext, RegionPass, Skip, eager_probe
+from .base import Fused, PassContext, RegionPass, Skip, eager_probe
 
 
 def _reads(state: fx.Node) -> bool:
@@ -45,6 +45,10 @@ class FuseSSM(RegionPass):
         return [("in_proj.weight", module.in_proj.weight), ("out_proj.weight", module.out_proj.weight)]
 
     def plan(self, ctx: PassContext, region: Region) -> Rewrite:
+        if any(n.op == "call_function" and n.target is torch.ops.hybrid.mamba2_mixer_packed.default
+               for n in region.nodes):
+            raise Fused("the engine's packed step over its state rows (hybrid::mamba2_mixer_packed, called by the "
+                        "mixer's engine forward, runtime/engine/packed_states.py)")
         # the cache's token counter (bumped in place by HF's cache layer inside the mixer) stays in the graph
         sub = region.without(region.counter_writes())
         rw = self._plan(ctx, sub)

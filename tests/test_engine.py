@@ -98,12 +98,13 @@ def _staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[i
     return [engine.output(r).token_ids for r in ids]
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "bamba", "mamba2",
+                                  "granitemoehybrid"])
 def test_packed_steps_mix_decodes_and_chunks(name):
-    """Models without state layers (MLA included: attention over the latent pages) take packed steps: the decoding
-    sequences and chunks of prompts (fresh ones and ones continuing from several points) in one unpadded forward
-    within the token budget; a decoding request gets a token at every step while a long prompt prefills; greedy
-    tokens equal HF's."""
+    """Models of attention (MLA included: attention over the latent pages) and Mamba2 state layers (each sequence on
+    its own state row, hybrid::mamba2_mixer_packed) take packed steps: the decoding sequences and chunks of prompts
+    (fresh ones and ones continuing from several points) in one unpadded forward within the token budget; a decoding
+    request gets a token at every step while a long prompt prefills; greedy tokens equal HF's."""
     prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
     want = [hf_greedy(name, p, 8) for p in prompts]
     engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4, max_prefill_tokens=8,
@@ -176,10 +177,11 @@ def test_packed_mla_expands_long_chunks():
 
 @pytest.mark.parametrize("name,kwargs,why", [("gpt_oss", {}, "attention sinks"),
                                              ("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
-                                             ("bamba", {}, "state layers")])
+                                             ("jamba", {}, "Mamba1 mixers"), ("qwen3_next", {}, "delta-rule")])
 def test_packed_steps_left_off_with_a_reason(name, kwargs, why):
-    """Sinks (gpt_oss: the construction probe's packed step raises), MLA without the paged latent cache and state
-    layers keep the padded steps, and say why; asking for packed steps there is a one-line error."""
+    """Sinks (gpt_oss: the construction probe's packed step raises), MLA without the paged latent cache, Mamba1 and
+    delta-rule state layers keep the padded steps, and say why; asking for packed steps there is a one-line
+    error."""
     engine = Engine(zoo.build(name), compile="hybrid-eager", **kwargs)
     assert not engine.scheduler.packed
     assert why in engine.packed_note

@@ -4,7 +4,8 @@ drop-in cache semantics.
 ``mamba1_prefill`` / ``mamba2_prefill``: hidden [B, T, Hd] -> (out [B, T, Hd], conv_state [B, C, W], ssm_state fp32)
 with the states HF's cache keeps after a fresh prefill (W = conv kernel, the last W conv inputs, zero-padded on the
 left); Mamba2's also continues from given states (a prefill chunk after the first). ``mamba1_step`` /
-``mamba2_step``: decode (T=1), the HF cache's conv and ssm states updated in place.
+``mamba2_step``: decode (T=1), the HF cache's conv and ssm states updated in place. ``mamba2_packed``: the tokens of
+several sequences on one axis (the engine's packed steps), each continuing from or starting its own state row.
 The projections are ``F.linear`` at prefill (cuBLAS through Inductor) and ``hybrid::linear`` at decode (Triton
 one-row kernels at batch 1, cuBLAS otherwise: hybrid_kernels/linear); conv, scan, state update and gated norm are the SSM
 kernels. At decode Mamba2's conv update runs as the in projection's epilogue (``hybrid::linear_conv``) and the gated
@@ -150,3 +151,49 @@ def mamba2_step(hidden: Tensor, mask: Optional[Tensor], w: Mamba2Weights, head_d
         return torch.ops.hybrid.linear(y.reshape(bsz, 1, d_inner).to(hidden.dtype), w.out_proj_w, w.out_proj_b)
     return torch.ops.hybrid.gated_norm_linear(y.reshape(bsz, 1, d_inner), gate[:, None], w.norm_w, eps, norm_group,
                                               w.out_proj_w, w.out_proj_b)
+
+
+def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, in_mult: float, chunk_size: int,
+                  eps: float, norm_group: int, dt_min: float, dt_max: float, conv_buf: Tensor, ssm_buf: Tensor,
+                  seqs: Tensor, dec_tokens: Optional[Tensor], dec_rows: Optional[Tensor]) -> Tensor:
+    """Mamba2 mixer over the tokens of several sequences laid on one axis (hidden [1, N, Hd], no padding), each
+    sequence reading and updating its own row of the state buffers conv_buf [R, C, W] and ssm_buf [R, H, P, N]
+    (fp32), as HF's mixer would for that sequence alone:
+    - ``seqs`` (host int64 [S, 4]: first token, token count, state row, continues 0/1): prefill chunks, the chunked
+      form with dt clamped to the time-step limit, from the row's states (continues = 1) or from zero (a fresh
+      prompt; the row is overwritten);
+    - ``dec_tokens`` / ``dec_rows`` (device int64 / int32, or None): single tokens that continue a cached state, in
+      HF's decode form (dt not clamped), all in one conv update and one state update.
+    The in and out projections and the gated norm run once over all N tokens; the conv and the scan once per prefill
+    chunk."""
+    n = hidden.shape[1]
+    heads, d_inner, conv_dim, nst = _mamba2_dims(w, head_dim, groups)
+    conv_w = w.conv_w.reshape(conv_dim, -1)
+    proj = _mamba2_proj(hidden[0], None, w, in_mult)  # [N, d_inner + C + H]
+    gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
+    y = torch.empty(n, d_inner, dtype=proj.dtype, device=proj.device)
+    A = -torch.exp(w.A_log.float())
+    for first, count, row, continues in seqs.tolist():
+        rows = slice(first, first + count)
+        xs, conv_state = torch.ops.hybrid.causal_conv1d(
+            xbc[rows].transpose(0, 1)[None], conv_w, w.conv_b, conv_buf[row:row + 1] if continues else None, "silu",
+            conv_buf.shape[-1])
+        conv_buf[row].copy_(conv_state[0])
+        x, b, c = torch.split(xs[0].transpose(0, 1), [d_inner, groups * nst, groups * nst], dim=-1)
+        ys, ssm_state = torch.ops.hybrid.ssd_scan(
+            x.reshape(1, count, heads, head_dim), dt[rows][None], A, b.reshape(1, count, groups, nst),
+            c.reshape(1, count, groups, nst), chunk_size, w.D, None, w.dt_bias, True, dt_min, dt_max,
+            ssm_buf[row:row + 1] if continues else None)
+        ssm_buf[row].copy_(ssm_state[0])
+        y[rows] = ys.reshape(count, d_inner)
+    if dec_tokens is not None:
+        nd = dec_tokens.shape[0]
+        xd = torch.ops.hybrid.causal_conv1d_update(xbc.index_select(0, dec_tokens), conv_buf, conv_w, w.conv_b, "silu",
+                                                   dec_rows)
+        x, b, c = torch.split(xd, [d_inner, groups * nst, groups * nst], dim=-1)
+        yd = torch.ops.hybrid.ssd_state_update(ssm_buf, x.reshape(nd, heads, head_dim), dt.index_select(0, dec_tokens),
+                                               w.A_log, b.reshape(nd, groups, nst), c.reshape(nd, groups, nst), w.D,
+                                               None, w.dt_bias, True, 0.0, float("inf"), dec_rows, True)
+        y.index_copy_(0, dec_tokens, yd.reshape(nd, d_inner).to(y.dtype))
+    out = F.linear(_gated_output(y, gate, w, eps, norm_group).to(hidden.dtype), w.out_proj_w, w.out_proj_b)
+    return out[None]

@@ -231,6 +231,27 @@ def _mamba2_mixer_step(hidden: Tensor, mask: Optional[Tensor], in_proj_w: Tensor
     return mixer.mamba2_step(hidden, mask, w, head_dim, groups, in_mult, eps, norm_group, conv_state, ssm_state)
 
 
+@torch.library.custom_op(op_name("mamba2_mixer_packed"), mutates_args={"conv_buf", "ssm_buf"})
+def _mamba2_mixer_packed(hidden: Tensor, in_proj_w: Tensor, in_proj_b: Optional[Tensor], conv_w: Tensor,
+                         conv_b: Optional[Tensor], dt_bias: Tensor, A_log: Tensor, D: Tensor, norm_w: Optional[Tensor],
+                         out_proj_w: Tensor, out_proj_b: Optional[Tensor], proj_mult: Optional[Tensor], head_dim: int,
+                         groups: int, in_mult: float, chunk_size: int, eps: float, norm_group: int, dt_min: float,
+                         dt_max: float, conv_buf: Tensor, ssm_buf: Tensor, seqs: Tensor, dec_tokens: Optional[Tensor],
+                         dec_rows: Optional[Tensor]) -> Tensor:
+    """Mamba2 mixer over several sequences' tokens on one axis (hidden [1, N, Hd]), each on its own state row
+    (mixer.mamba2_packed). Opaque to torch.compile: its body loops over the prefill chunks listed in the host
+    tensor ``seqs``."""
+    w = Mamba2Weights(in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, out_proj_b,
+                      proj_mult)
+    return mixer.mamba2_packed(hidden, w, head_dim, groups, in_mult, chunk_size, eps, norm_group, dt_min, dt_max,
+                               conv_buf, ssm_buf, seqs, dec_tokens, dec_rows)
+
+
+@_mamba2_mixer_packed.register_fake
+def _(hidden, in_proj_w, in_proj_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj_w, *args):
+    return hidden.new_empty((*hidden.shape[:-1], out_proj_w.shape[0]))
+
+
 def _selective_scan_fake(u, delta, A, *args):
     b, d, _ = u.shape
     return u.new_empty(u.shape), u.new_empty((b, d, A.shape[-1]), dtype=torch.float32)

@@ -56,7 +56,8 @@ class Mamba2Weights(NamedTuple):
 @dataclass(frozen=True)
 class Mamba2Spec:
     """``hybrid::mamba2_mixer`` (prefill), ``hybrid::mamba2_mixer_chunk`` (a prefill chunk continuing from cached
-    states) and ``hybrid::mamba2_mixer_step`` (decode). ``norm_group``: the gated norm's group size; ``dt_min`` /
+    states), ``hybrid::mamba2_mixer_step`` (decode) and ``hybrid::mamba2_mixer_packed`` (several sequences on one
+    axis, each on its own state row: the engine's packed steps). ``norm_group``: the gated norm's group size; ``dt_min`` /
     ``dt_max``: the time-step limit the prefill clamps dt to (HF's decode does not clamp); ``in_mult``: a multiplier
     of the mixer's input (Falcon-H1's ssm_in_multiplier)."""
     head_dim: int
@@ -81,3 +82,7 @@ class Mamba2Spec:
 
     def step_args(self, hidden, mask, w: Mamba2Weights, conv_state, ssm_state) -> tuple:
         return (hidden, mask, *w, *self._core(), float(self.eps), int(self.norm_group), conv_state, ssm_state)
+
+    def packed_args(self, hidden, w: Mamba2Weights, conv_buf, ssm_buf, seqs, dec_tokens, dec_rows) -> tuple:
+        return (hidden, *w, *self._core(), int(self.chunk_size), float(self.eps), int(self.norm_group),
+                float(self.dt_min), float(self.dt_max), conv_buf, ssm_buf, seqs, dec_tokens, dec_rows)

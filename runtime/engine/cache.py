@@ -11,7 +11,8 @@
 - SSM layers: conv and ssm state buffers ``[num_state_rows, ...]``. Running sequences own rows 0..n-1;
   a decode step binds prefix views (HF updates them in place), a first prefill chunk binds nothing and HF
   creates fresh states, which the runner then copies into the new sequence's row; a later chunk binds that
-  row (HF continues from it in place; only for mixers that do, ``chunking_problem``).
+  row (HF continues from it in place; only for mixers that do, ``chunking_problem``). On a packed step nothing is
+  bound for HF: the mixers' engine forward reads the step's maps and the buffers (``packed_states.py``).
 All buffers and step metadata are tensors held by the cache object, so under ``torch.compile`` they are
 graph inputs, never Python globals. Buffers (and the decode views of state buffers, made once per batch
 size) are marked as static addresses: CUDA graphs read and update them in place instead of copying them.
@@ -268,6 +269,9 @@ class SlotStateLayer(LinearAttentionLayer):
         self.ssm_buf = torch.zeros(num_rows, *spec.ssm_shape, dtype=spec.ssm_dtype, device=device) \
             if spec.ssm_shape else None
         self._views: dict[int, tuple] = {}
+        self.packed = False  # a packed step: the mixer's engine forward reads packed_maps (packed_states.py)
+        #: a packed step's (chunks [S, 4] on the host, decode token indices, decode rows) (``packed_states.state_maps``)
+        self.packed_maps: tuple | None = None
         # what HF's lazy initialisation would set on the first prefill: set now, so every prefill traces alike
         self.dtype = spec.conv_dtype if spec.conv_shape else spec.ssm_dtype
         self.device = self.buffers[0].device
@@ -382,15 +386,20 @@ class PagedCache(Cache):
 
     def bind(self, write_slots: torch.Tensor, gather_idx: torch.Tensor, decode_rows: int | None,
              paged: bool = False, block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-             state_row: "slice | torch.Tensor | None" = None, fresh: bool = False, packed: bool = False) -> None:
+             state_row: "slice | torch.Tensor | None" = None, fresh: bool = False, packed: bool = False,
+             state_maps: tuple | None = None) -> None:
         """``decode_rows``: a decode step over state rows 0..n-1; else a prefill, fresh (``state_row`` None) or
         continuing from the states of rows ``state_row`` (``state_rows``). ``fresh``: a prefill whose prompts have
-        nothing cached. ``packed``: a packed step (``ModelRunner._launch_packed``)."""
+        nothing cached. ``packed``: a packed step (``ModelRunner._launch_packed``), the state layers' maps
+        ``state_maps`` (``packed_states.state_maps``)."""
         for layer in self.attention:
             layer.write_slots, layer.gather_idx, layer.paged, layer.fresh = write_slots, gather_idx, paged, fresh
             layer.packed = packed
             layer.block_table, layer.seq_lens = block_table, seq_lens
         for layer in self.states:
+            layer.packed, layer.packed_maps = packed, state_maps
+            if packed:
+                continue
             if decode_rows is not None:
                 layer.bind_decode(decode_rows)
             elif state_row is not None:

@@ -24,7 +24,7 @@ from hybrid_kernels.mla.reference import per_head_matmul, split_kv_b
 from hybrid_kernels.sampling.ops import greedy_ids
 from runtime.hf import cache_kwarg
 
-from . import attention
+from . import attention, packed_states
 from .allocator import BlockAllocator
 from .cache import PagedCache, state_rows
 from .sampler import sample
@@ -104,18 +104,23 @@ class ModelRunner:
         self.pack_note = self._pack_note(model)
 
     def _pack_note(self, model) -> str | None:
-        """Why this model cannot take packed steps, or None. MLA layers take them through the absorbed form of HF's
+        """Why this model cannot take packed steps, or None. State layers take them where each is a Mamba2 mixer
+        (``packed_states``: the mixers get the engine forward here). MLA layers take them through the absorbed form of HF's
         ``expand_kv`` (``attention._packed_mla``), so each MLA attention module must have that method over a
         bias-free linear ``kv_b_proj`` that gives its keys and values (checked on random latents)."""
         cache = self.cache
-        for why, bad in (("no attention layers", lambda: not cache.attention),
-                         ("state layers (SSM / delta rule) need padded rows", lambda: bool(cache.states)),
+        for why, bad in (("no attention or state layers", lambda: not cache.attention and not cache.states),
                          ("MLA without the engine's paged latent cache (paged_decode=False)",
                           lambda: hasattr(model.config.get_text_config(), "kv_lora_rank") and not self.paged_latent),
                          ("attention of the model's own", lambda: any(layer.contiguous for layer in cache.attention)),
                          ("the model's forward takes no logits_to_keep", lambda: not self.keep_last)):
             if bad():
                 return why
+        if cache.states:  # Mamba2 mixers run the packed op over the state rows (packed_states.py)
+            found, why = packed_states.mixers(model, cache)
+            if why:
+                return why
+            packed_states.install(model, cache, found)
         if self.paged_latent:
             mods = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "qk_nope_head_dim")]
             return _expand_kv_mismatch(mods, len(cache.attention))
@@ -255,10 +260,10 @@ class ModelRunner:
         path, ``hybrid::varlen_attention``); logits only at each sequence's last token. Uncaptured: the token count
         changes every step."""
         self._advanced = None
-        bs = self.blocks.block_size
+        bs = self.blocks.block_size if self.blocks is not None else 1  # no blocks: a model of state layers only
         starts = [s.num_cached for s in step.seqs]
         ends = [a + k for a, k in zip(starts, step.num_tokens)]
-        nb = -(-max(ends) // bs)
+        nb = -(-max(ends) // bs) if self.blocks is not None else 0
         ids, table = [], []
         for seq, start, end in zip(step.seqs, starts, ends):
             ids += seq.tokens[start:end]
@@ -269,16 +274,25 @@ class ModelRunner:
         owner = torch.repeat_interleave(torch.arange(len(step.seqs)), counts)
         positions = torch.tensor(starts)[owner] + torch.arange(len(ids)) - cu[owner]
         host_table = torch.tensor(table, dtype=torch.long).view(len(step.seqs), nb)
-        writes = host_table[owner, positions // bs] * bs + positions % bs
+        writes = host_table[owner, positions // bs] * bs + positions % bs if nb else positions.new_zeros(0)
         split = self._mla_split(counts, owner, host_table, torch.tensor(ends), bs) if self.paged_latent else {}
-        ids, positions, writes, table, cu, ctx, *maps = self._upload(
-            [ids, positions, writes, host_table.view(-1), cu, ends, *split.values()])
+        chunks, dec_tokens, dec_rows = packed_states.state_maps(starts, step.num_tokens,
+                                                                [s.state_slot for s in step.seqs]) \
+            if self.cache.states else (None, [], [])
+        ids, positions, writes, table, cu, ctx, dec_tokens, dec_rows, *maps = self._upload(
+            [ids, positions, writes, host_table.view(-1), cu, ends, dec_tokens, dec_rows, *split.values()])
         n = ids.shape[0]
-        self.cache.bind(writes, writes.view(1, n), None, paged=True, packed=True)
+        state_maps = (chunks, dec_tokens, dec_rows.to(torch.int32)) if dec_tokens.shape[0] else (chunks, None, None)
+        self.cache.bind(writes, writes.view(1, -1), None, paged=True, packed=True, state_maps=state_maps)
+        mask = self._packed_mask if self.cache.attention else None
+        if self.mask_keys is not None:  # attention layer types get the packed mask, state layer types none
+            mask = {t: (mask if is_attn else None) for t, is_attn in self.mask_keys.items()}
         kwargs = {self.kwarg: self.cache, "use_cache": True, "position_ids": positions.view(1, n),
-                  "attention_mask": self._packed_mask, "logits_to_keep": cu[1:] - 1,
-                  "hybrid_cu_q": cu.to(torch.int32), "hybrid_ctx": ctx.to(torch.int32),
-                  "hybrid_packed_table": table.view(len(step.seqs), nb).to(torch.int32), "hybrid_block_size": bs}
+                  "attention_mask": mask, "logits_to_keep": cu[1:] - 1}
+        if self.cache.attention:  # the packed attention's maps (attention.py)
+            kwargs.update({"hybrid_cu_q": cu.to(torch.int32), "hybrid_ctx": ctx.to(torch.int32),
+                           "hybrid_packed_table": table.view(len(step.seqs), nb).to(torch.int32),
+                           "hybrid_block_size": bs})
         if self.paged_latent:  # MLA layers read their latent pages (attention.py), found by the module's layer_idx
             kwargs["hybrid_latent_pages"] = tuple(getattr(layer, "buf", None) for layer in self.cache.layers)
             if split:

@@ -144,7 +144,7 @@ class Scheduler:
         return Step("prefill", seqs, counts)
 
     def _schedule_packed(self) -> Step | None:
-        """A packed step (models without state layers whose attention runs on packed sequences): every sequence
+        """A packed step (models whose attention and state layers run on packed sequences): every sequence
         ready to decode, one token each, then prefill chunks within ``max_num_batched_tokens`` tokens in all: the
         chunks that continue prompts under way (each from its own point), then waiting prompts in arrival order, a
         chunk cut to the tokens left in the step. No padding, and no running sequence waits for a prompt. Without
@@ -163,7 +163,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(seqs)
         for seq in partial:
             n = min(self._chunk(seq), budget)
-            if seq.status is not Status.RUNNING or n <= 0 or not self._reserve(seq, seq.num_cached + n):
+            if seq.status is not Status.RUNNING or n <= 0 or not self._reserve(seq, self._packed_upto(seq, n)):
                 continue
             seqs.append(seq)
             counts.append(n)
@@ -172,14 +172,25 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs or seq.request_id in self.alone:
                 break
             n = min(self._chunk(seq), budget) if self.chunked_prefill else seq.num_uncached
-            if n > budget or not self._reserve(seq, seq.num_cached + n):
+            if n > budget or not self._reserve(seq, self._packed_upto(seq, n)):
                 break
             self._admit(seq, n, seqs, counts)
             budget -= n
+        self._sort_running()
         num_decodes = len(decode.seqs) if decode is not None else 0
-        if len(seqs) == num_decodes:  # no chunk fitted: decode alone, else the padded schedule
-            return decode
+        if len(seqs) == num_decodes and (decode is None or self._rows_in_order(decode.seqs)):
+            return decode  # no chunk fitted: decode alone, else the padded schedule
+        # (a decode batch off state rows 0..n-1, which a prompt under way holds some of, goes packed too)
         return Step("packed", seqs, counts, num_decodes=num_decodes)
+
+    def _packed_upto(self, seq: Sequence, n: int) -> int:
+        """Cached tokens to hold blocks for before a packed step feeds ``n`` tokens of ``seq``: that chunk's end, or
+        with state rows the whole prompt (``_prefill_upto``): a prompt under way never waits for blocks."""
+        return len(seq) if self.slots is not None else seq.num_cached + n
+
+    def _rows_in_order(self, seqs: list[Sequence]) -> bool:
+        """Do these sequences hold state rows 0..n-1 in order (what a plain decode step reads), or are there none?"""
+        return self.slots is None or [s.state_slot for s in seqs] == list(range(len(seqs)))
 
     def _admit(self, seq: Sequence, n: int, seqs: list[Sequence], counts: list[int]) -> None:
         """The head of the queue starts running, feeding ``n`` tokens in the step being built."""
