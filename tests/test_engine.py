@@ -99,10 +99,11 @@ def _staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[i
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "bamba", "mamba2",
-                                  "granitemoehybrid"])
+                                  "granitemoehybrid", "qwen3_next", "kimi_linear"])
 def test_packed_steps_mix_decodes_and_chunks(name):
-    """Models of attention (MLA included: attention over the latent pages) and Mamba2 state layers (each sequence on
-    its own state row, hybrid::mamba2_mixer_packed) take packed steps: the decoding sequences and chunks of prompts
+    """Models of attention (MLA included: attention over the latent pages) and state layers (each sequence on its own
+    state row: Mamba2 through hybrid::mamba2_mixer_packed, delta-rule mixers through HF's forward per chunk,
+    hybrid::engine_mixer_packed) take packed steps: the decoding sequences and chunks of prompts
     (fresh ones and ones continuing from several points) in one unpadded forward within the token budget; a decoding
     request gets a token at every step while a long prompt prefills; greedy tokens equal HF's."""
     prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
@@ -177,16 +178,36 @@ def test_packed_mla_expands_long_chunks():
 
 @pytest.mark.parametrize("name,kwargs,why", [("gpt_oss", {}, "attention sinks"),
                                              ("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
-                                             ("jamba", {}, "Mamba1 mixers"), ("qwen3_next", {}, "delta-rule")])
-def test_packed_steps_left_off_with_a_reason(name, kwargs, why):
-    """Sinks (gpt_oss: the construction probe's packed step raises), MLA without the paged latent cache, Mamba1 and
-    delta-rule state layers keep the padded steps, and say why; asking for packed steps there is a one-line
-    error."""
+                                             ("bamba", {"unrecognised": True}, "no SSM / delta-rule mixer")])
+def test_packed_steps_left_off_with_a_reason(name, kwargs, why, monkeypatch):
+    """Sinks (gpt_oss: the construction probe's packed step raises), MLA without the paged latent cache and state
+    layers whose mixer hybrid does not recognise (here: Bamba's, hidden from the classifier) keep the padded steps,
+    and say why; asking for packed steps there is a one-line error."""
+    if kwargs.pop("unrecognised", False):
+        from runtime.engine import packed_states
+        monkeypatch.setattr(packed_states, "classify", lambda m: None)
     engine = Engine(zoo.build(name), compile="hybrid-eager", **kwargs)
     assert not engine.scheduler.packed
     assert why in engine.packed_note
     with pytest.raises(ValueError, match="packed_steps=True, but .* takes no packed steps"):
         Engine(zoo.build(name), compile="hybrid-eager", packed_steps=True, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["jamba", "mamba"])
+def test_packed_steps_with_whole_prompts(name):
+    """Mamba1 mixers do not continue a multi-token chunk (no chunking): their prompts go whole, packed with the decodes
+    where they fit the step's budget; a longer one takes a padded prefill step, a decode step between; greedy tokens
+    equal HF's."""
+    prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
+    want = [hf_greedy(name, p, 8) for p in prompts]
+    engine = Engine(zoo.build(name), compile="hybrid-eager", block_size=4, max_prefill_tokens=8,
+                    max_num_batched_tokens=12)
+    assert engine.scheduler.packed and engine.prefill_note
+    steps = _steps(engine)
+    assert _staggered(engine, prompts, 8) == want
+    assert ("prefill", 0, [30]) in steps and steps[steps.index(("prefill", 0, [30])) + 1][0] == "decode", steps
+    assert any(kind == "packed" and d >= 1 and len(t) > d for kind, d, t in steps), steps
+    torch._dynamo.reset()
 
 
 def test_packed_mla_checks_expand_kv(monkeypatch):

@@ -28,7 +28,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                max_num_batched_tokens=batched_tokens,
                                max_prefill_seqs=max_num_seqs if batch_prefill else 1,
                                equal_lengths=kind != "attention" and not pad_states, interleave=interleave,
-                               packed=packed and kind == "attention")  # packed steps: attention-only models
+                               packed=packed)
         self.last_kind = None
         self.seqs: list[Sequence] = []
         self.rows: dict[int, int] = {}  # SSM state row -> request id whose state it holds (moves applied by steps)
@@ -114,7 +114,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 rows = [s.state_slot for s in step.seqs]
                 assert rows == list(range(rows[0], rows[0] + len(rows)))
         if step.kind == "packed":  # decodes first, then chunks; unpadded tokens within the budget
-            assert sum(step.num_tokens) <= self.sched.max_num_batched_tokens and len(step.seqs) > step.num_decodes
+            assert sum(step.num_tokens) <= self.sched.max_num_batched_tokens
+            # decodes alone go packed only where their state rows are not 0..n-1 (a prompt under way holds one)
+            assert len(step.seqs) > step.num_decodes or (
+                self.slots is not None and [s.state_slot for s in step.seqs] != list(range(len(step.seqs))))
             assert all(s.num_uncached == 1 for s in step.seqs[:step.num_decodes])
         for seq, n in zip(step.seqs, step.num_tokens):
             assert seq.status is Status.RUNNING and n >= 1

@@ -1,18 +1,27 @@
-"""Packed steps on models with Mamba2 state layers.
+"""Packed steps on models with state layers (SSM, gated delta rule).
 
-A packed step lays the tokens of several sequences on one axis (``ModelRunner._launch_packed``). HF's Mamba2 mixers
-would run them as one sequence, so ``install`` gives each mixer an engine forward: on a packed step (the engine's
-cache layer bound with ``packed``) it runs ``hybrid::mamba2_mixer_packed`` over that layer's state rows, each
-sequence from its own row (prefill chunks in the chunked form, single tokens that continue a cached state in HF's
-decode form); on every other step it calls HF's forward unchanged. The step's maps (``state_maps``) sit on the cache
-layers, which reach the mixer as the call's ``cache`` argument, so under torch.compile they are graph inputs.
+A packed step lays the tokens of several sequences on one axis (``ModelRunner._launch_packed``). HF's mixers would
+run them as one sequence, so ``install`` gives each state layer's mixer an engine forward: on a packed step (the
+engine's cache layer bound with ``packed``) each sequence runs from its own state row; on every other step HF's
+forward runs unchanged. Two forms:
+- Mamba2 mixers: ``hybrid::mamba2_mixer_packed``, one op over all the tokens (projections and gated norm once; conv
+  and SSD per prefill chunk; single tokens after a cached state in one conv update and one state update);
+- other mixers hybrid recognises (Mamba1, Gated DeltaNet, Kimi Delta Attention): ``hybrid::engine_mixer_packed``
+  calls HF's own forward per prefill chunk and once for all single tokens after a cached state, the layer bound to
+  those sequences' rows as a padded step would bind it, so each sequence gets what HF computes for it alone.
+The step's maps (``state_maps``) sit on the cache layers, which reach the mixer as the call's cache argument, so
+under torch.compile they are graph inputs; both ops are opaque to it (their bodies loop over the host map).
 """
 from __future__ import annotations
 
-import torch
+import inspect
+from typing import Optional
 
-from graphs.modules import DELTA, SSM, classify, is_mamba1_mixer, mamba2_dims
-from hybrid_kernels.ssm.spec import Mamba2Spec, Mamba2Weights
+import torch
+from torch import Tensor
+
+from graphs.modules import DELTA, SSM, classify, mamba2_dims
+from hybrid_kernels.library import op_name
 
 from .cache import PagedCache, SlotStateLayer
 
@@ -21,29 +30,35 @@ _CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
 
 
 def mixers(model, cache: PagedCache) -> "tuple[dict[int, torch.nn.Module], str | None]":
-    """({layer index: Mamba2 mixer} for every state layer of ``cache``, None), or ({}, why packed steps cannot run
-    the state layers)."""
+    """({layer index: mixer} for every state layer of ``cache``, None), or ({}, why packed steps cannot run the
+    state layers)."""
     state_idx = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SlotStateLayer)]
-    found: dict[int, torch.nn.Module] = {}
-    for m in model.modules():
-        kind = classify(m)
-        if kind == DELTA:
-            return {}, f"delta-rule mixers ({type(m).__name__}) take no packed steps yet"
-        if kind == SSM and is_mamba1_mixer(m):
-            return {}, f"Mamba1 mixers ({type(m).__name__}) take no packed steps"
-        if kind == SSM and isinstance(getattr(m, "layer_idx", None), int):
-            found[m.layer_idx] = m
+    found = {m.layer_idx: m for m in model.modules()
+             if classify(m) in (SSM, DELTA) and isinstance(getattr(m, "layer_idx", None), int)}
     missing = [i for i in state_idx if i not in found]
     if missing:
-        return {}, (f"state layers {missing[:4]} have no Mamba2 mixer hybrid recognises (short convolutions, "
-                    "other recurrences): packed steps need one per state layer")
+        return {}, (f"state layers {missing[:4]} have no SSM / delta-rule mixer hybrid recognises (short "
+                    "convolutions, other recurrences): packed steps need one per state layer")
     for i in state_idx:
-        layer, m = cache.layers[i], found[i]
-        if layer.conv_buf is None or layer.ssm_buf is None or layer.ssm_buf.dtype != torch.float32:
-            return {}, f"{type(m).__name__} keeps states other than a conv state and an fp32 ssm state"
-        if getattr(m, "activation", "silu") != "silu":
-            return {}, f"{type(m).__name__}'s conv activation {m.activation!r} is not silu"
+        m = found[i]
+        if mamba2_dims(m) is not None:
+            layer = cache.layers[i]
+            if layer.conv_buf is None or layer.ssm_buf is None or layer.ssm_buf.dtype != torch.float32:
+                return {}, f"{type(m).__name__} keeps states other than a conv state and an fp32 ssm state"
+            if getattr(m, "activation", "silu") != "silu":
+                return {}, f"{type(m).__name__}'s conv activation {m.activation!r} is not silu"
+        elif _cache_keyword(m.forward) is None:
+            return {}, f"{type(m).__name__}'s forward takes no cache keyword ({', '.join(_CACHE_KWARGS)})"
     return {i: found[i] for i in state_idx}, None
+
+
+def _cache_keyword(forward) -> str | None:
+    params = inspect.signature(forward).parameters
+    return next((k for k in _CACHE_KWARGS if k in params), None)
+
+
+#: hybrid::engine_mixer_packed's mixers by key: (HF's forward, its cache keyword, the engine's cache, layer index)
+_MIXERS: list[tuple] = []
 
 
 def install(model, cache: PagedCache, found: "dict[int, torch.nn.Module]") -> None:
@@ -52,14 +67,32 @@ def install(model, cache: PagedCache, found: "dict[int, torch.nn.Module]") -> No
     for idx, m in found.items():
         if getattr(m, "_hybrid_packed", False):
             continue
-        spec, weights = mixer_spec(m, mamba2_dims(m))
-        m.forward = _engine_forward(m, m.forward, idx, cache, spec, weights)
+        original = m.forward
+        dims = mamba2_dims(m)
+        if dims is not None:
+            spec, weights = mixer_spec(m, dims)
+            packed = _mamba2(spec, weights)
+        else:
+            _MIXERS.append((original, _cache_keyword(original), cache, idx))
+            packed = _generic(len(_MIXERS) - 1)
+        m.forward = _engine_forward(type(m).__name__, original, idx, cache, packed)
         m._hybrid_packed = True
 
 
-def _engine_forward(mod, original, idx: int, engine_cache: PagedCache, spec: Mamba2Spec, weights: Mamba2Weights):
-    name = type(mod).__name__
+def _mamba2(spec, weights):
+    def run(hidden, layer):
+        return torch.ops.hybrid.mamba2_mixer_packed(*spec.packed_args(hidden, weights, layer.conv_buf, layer.ssm_buf,
+                                                                      *layer.packed_maps))
+    return run
 
+
+def _generic(key: int):
+    def run(hidden, layer):
+        return torch.ops.hybrid.engine_mixer_packed(hidden, key, layer.buffers, *layer.packed_maps)
+    return run
+
+
+def _engine_forward(name: str, original, idx: int, engine_cache: PagedCache, packed):
     def forward(hidden_states, *args, **kwargs):
         if not engine_cache.layers[idx].packed:
             return original(hidden_states, *args, **kwargs)
@@ -67,10 +100,43 @@ def _engine_forward(mod, original, idx: int, engine_cache: PagedCache, spec: Mam
         if cache is not engine_cache:
             raise RuntimeError(f"a packed step reached {name} (layer {idx}) without the engine's cache as its cache "
                                "argument: packed steps cannot run this model's state layers")
-        layer = cache.layers[idx]
-        return torch.ops.hybrid.mamba2_mixer_packed(*spec.packed_args(
-            hidden_states, weights, layer.conv_buf, layer.ssm_buf, *layer.packed_maps))
+        return packed(hidden_states, cache.layers[idx])
     return forward
+
+
+@torch.library.custom_op(op_name("engine_mixer_packed"), mutates_args={"states"})
+def _engine_mixer_packed(hidden: Tensor, key: int, states: list[Tensor], chunks: Tensor,
+                         dec_tokens: Optional[Tensor], dec_rows: Optional[Tensor]) -> Tensor:
+    """HF's mixer ``key`` (``install``) over a packed step's tokens (hidden [1, N, Hd]): once per prefill chunk of
+    ``chunks`` (host int64 [S, 4]: first token, count, state row, continues 0/1), the layer bound to that row (its
+    states, or fresh ones for a new prompt) and the row written back after; once for the single tokens after a
+    cached state (``dec_tokens``, rows ``dec_rows``), their rows gathered as a batch and written back. ``states``:
+    the layer's state buffers, which those write-backs mutate."""
+    original, keyword, cache, idx = _MIXERS[key]
+    layer = cache.layers[idx]
+    out = torch.empty_like(hidden)
+    for first, count, row, continues in chunks.tolist():
+        rows = slice(row, row + 1)
+        layer.bind_continue(rows) if continues else layer.bind_prefill()
+        out[:, first:first + count] = _first(original(hidden[:, first:first + count], **{keyword: cache}))
+        layer.store_prefill(rows)
+    if dec_tokens is not None:
+        rows = dec_rows.long()
+        layer.bind_continue(rows)
+        y = _first(original(hidden[0].index_select(0, dec_tokens)[:, None], **{keyword: cache}))
+        layer.store_prefill(rows)
+        out[0].index_copy_(0, dec_tokens, y[:, 0])
+    return out
+
+
+@_engine_mixer_packed.register_fake
+def _(hidden, key, states, chunks, dec_tokens, dec_rows):
+    return torch.empty_like(hidden)
+
+
+def _first(y):
+    """A mixer's output (some return (output, ...))."""
+    return y[0] if isinstance(y, tuple) else y
 
 
 def state_maps(starts: list[int], counts: list[int], rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:

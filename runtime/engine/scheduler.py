@@ -150,7 +150,7 @@ class Scheduler:
         chunk cut to the tokens left in the step. No padding, and no running sequence waits for a prompt. Without
         prefill work the step is a plain decode step (CUDA graphs). None leaves the step to the padded schedule: a
         request that must prefill alone (``alone``), prompts under way that need a preemption to continue, a prompt
-        that fits no packed step whole (no chunking)."""
+        that goes whole (no chunking) and does not fit what is left of the step."""
         partial = [s for s in self.running if s.num_uncached > 1]
         if any(s.request_id in self.alone for s in partial) or (
                 not partial and self.waiting and self.waiting[0].request_id in self.alone):
@@ -168,16 +168,20 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        whole = False  # the next prompt goes whole (no chunking) and does not fit in what is left of the step
         for seq in list(self.waiting):  # arrival order: a request never overtakes an earlier one
             if budget <= 0 or len(self.running) >= self.max_num_seqs or seq.request_id in self.alone:
                 break
             n = min(self._chunk(seq), budget) if self.chunked_prefill else seq.num_uncached
+            whole = n > budget
             if n > budget or not self._reserve(seq, self._packed_upto(seq, n)):
                 break
             self._admit(seq, n, seqs, counts)
             budget -= n
         self._sort_running()
         num_decodes = len(decode.seqs) if decode is not None else 0
+        if len(seqs) == num_decodes and whole:
+            return None  # the padded schedule prefills it, a decode step between its prefill steps
         if len(seqs) == num_decodes and (decode is None or self._rows_in_order(decode.seqs)):
             return decode  # no chunk fitted: decode alone, else the padded schedule
         # (a decode batch off state rows 0..n-1, which a prompt under way holds some of, goes packed too)
