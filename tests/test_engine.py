@@ -193,6 +193,25 @@ def test_packed_steps_left_off_with_a_reason(name, kwargs, why, monkeypatch):
         Engine(zoo.build(name), compile="hybrid-eager", packed_steps=True, **kwargs)
 
 
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_packed_state_mixers_leave_other_callers_alone(name):
+    """The engine forward packed steps give a model's mixers answers other callers as HF does: HF generate on the same
+    model after an engine's packed steps, and a second engine on it, used in turn with the first (each call takes
+    the cache it is given); greedy tokens equal HF's."""
+    prompts = [list(range(5, 10)), list(range(20, 33))]
+    model = zoo.build(name)
+    want = [hf_greedy(name, p, 5) for p in prompts]
+    first = Engine(model, compile=None, block_size=4, max_prefill_tokens=4, max_num_batched_tokens=8)
+    assert first.scheduler.packed
+    assert _staggered(first, prompts, 5) == want
+    with torch.no_grad():
+        assert model.generate(torch.tensor([prompts[1]]), max_new_tokens=5, do_sample=False)[0, 13:].tolist() == want[1]
+    second = Engine(model, compile=None, block_size=4, max_prefill_tokens=4, max_num_batched_tokens=8)
+    assert second.scheduler.packed
+    assert _staggered(second, prompts, 5) == want and _staggered(first, prompts, 5) == want
+    assert first.stats["packed_steps"] and second.stats["packed_steps"]
+
+
 @pytest.mark.parametrize("name", ["jamba", "mamba"])
 def test_packed_steps_with_whole_prompts(name):
     """Mamba1 mixers do not continue a multi-token chunk (no chunking): their prompts go whole, packed with the decodes
@@ -311,14 +330,14 @@ def test_decoding_requests_advance_between_the_chunks_of_a_long_prompt(name):
 
 @pytest.mark.parametrize("name", ["mamba2", "bamba"])
 def test_state_rows_gathered_where_not_consecutive(name, monkeypatch):
-    """State rows of a prefill bound as gathered copies and stored back (the path of rows that are not consecutive,
-    after a finished sequence's row was filled by a move): forced for every step here, tokens still equal HF's, with
-    fresh and continuing chunks."""
+    """Padded steps: state rows of a prefill bound as gathered copies and stored back (the path of rows that are not
+    consecutive, after a finished sequence's row was filled by a move): forced for every step here, tokens still equal
+    HF's, with fresh and continuing chunks."""
     from runtime.engine import model_runner
     monkeypatch.setattr(model_runner, "state_rows", lambda slots, device: torch.tensor(slots, device=device))
     prompts = [list(range(5 + i, 16 + i)) for i in range(3)]
     want = [hf_greedy(name, p, 3) for p in prompts]
-    engine = Engine(zoo.build(name), compile=None, block_size=4, max_prefill_tokens=4)
+    engine = Engine(zoo.build(name), compile=None, block_size=4, max_prefill_tokens=4, packed_steps=False)
     sizes = _prefill_sizes(engine)
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3))] == want
     assert sizes == [3, 3, 3]
@@ -515,7 +534,7 @@ def test_ssm_prompts_prefill_in_chunks(name):
     """Mixers that continue from HF's cached states (Mamba2, Bamba's): long prompts are prefilled in chunks of
     max_prefill_tokens, each chunk after the first continuing from the sequence's state row (the SSM pass's
     hybrid::mamba2_mixer_chunk); greedy tokens equal HF generate's with the prompt in one piece."""
-    engine = Engine(zoo.build(name), compile="hybrid-eager", max_prefill_tokens=4)
+    engine = Engine(zoo.build(name), compile="hybrid-eager", max_prefill_tokens=4, packed_steps=False)
     assert engine.prefill_note is None and engine.scheduler.chunked_prefill
     prompts = [list(range(10, 29)), [5, 6, 7], list(range(30, 41))]
     outs = engine.generate(prompts, SamplingParams(max_tokens=6))
@@ -524,20 +543,22 @@ def test_ssm_prompts_prefill_in_chunks(name):
         assert o.token_ids == hf_greedy(name, p, 6)
 
 
-def test_ssm_sequence_starts_with_blocks_for_its_whole_prompt(monkeypatch):
-    """Bamba (SSM state rows + paged attention), 12 blocks of 4 tokens, prompts in 4-token chunks: a sequence starts
-    only when its whole prompt fits (a half-prefilled sequence holds a state row that decode steps cannot skip,
-    so it must never wait for blocks between chunks); the cache fills and preempts decoding sequences, never a
-    half-prefilled one, and every output stays exact."""
+@pytest.mark.parametrize("packed,blocks", [(False, 12), (None, 10)], ids=["padded", "packed"])
+def test_ssm_sequence_starts_with_blocks_for_its_whole_prompt(packed, blocks, monkeypatch):
+    """Bamba (SSM state rows + paged attention), 12 (10) blocks of 4 tokens, prompts in 4-token chunks, padded (packed)
+    steps: a sequence starts only when its whole prompt fits (a half-prefilled sequence holds a state row that
+    decode steps cannot skip, so it must never wait for blocks between chunks); the cache fills and preempts decoding
+    sequences, never a half-prefilled one, and every output stays exact."""
     from runtime.engine.scheduler import Scheduler
     half = []
     real = Scheduler.preempt
     monkeypatch.setattr(Scheduler, "preempt", lambda self, seq: (half.append(0 < seq.num_cached < len(seq.prompt)),
                                                                  real(self, seq))[1])
     state_row, block = 21504, 4 * 256  # bytes of one SSM state row and one 4-token block of the tiny Bamba
-    engine = Engine(zoo.build("bamba"), compile=None, block_size=4, cache_memory=4 * state_row + 12 * block,
-                    max_num_seqs=4, max_prefill_tokens=4)
-    assert engine.blocks.num_blocks == 12 and engine.scheduler.chunked_prefill
+    engine = Engine(zoo.build("bamba"), compile=None, block_size=4, cache_memory=4 * state_row + blocks * block,
+                    max_num_seqs=4, max_prefill_tokens=4, packed_steps=packed)
+    assert engine.blocks.num_blocks == blocks and engine.scheduler.chunked_prefill
+    assert engine.scheduler.packed == (packed is None)
     prompts = [list(range(10, 29)), list(range(30, 41)), [5, 6, 7], list(range(50, 67))]
     outs = engine.generate(prompts, SamplingParams(max_tokens=6))
     assert engine.scheduler.num_preemptions > 0 and half and not any(half)

@@ -297,7 +297,11 @@ class ModelRunner:
             kwargs["hybrid_latent_pages"] = tuple(getattr(layer, "buf", None) for layer in self.cache.layers)
             if split:
                 kwargs["hybrid_mla_split"] = mla_split_arg(dict(zip(split, maps)))
-        logits = self.forward(ids.view(1, n), **kwargs).logits
+        packed_states.PACKED_STEP[0] = True
+        try:
+            logits = self.forward(ids.view(1, n), **kwargs).logits
+        finally:
+            packed_states.PACKED_STEP[0] = False
         for seq, k in zip(step.seqs, step.num_tokens):
             seq.num_cached += k
         done = [s.num_uncached == 0 for s in step.seqs]

@@ -15,6 +15,8 @@ under torch.compile they are graph inputs; both ops are opaque to it (their bodi
 from __future__ import annotations
 
 import inspect
+import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -47,7 +49,7 @@ def mixers(model, cache: PagedCache) -> "tuple[dict[int, torch.nn.Module], str |
                 return {}, f"{type(m).__name__} keeps states other than a conv state and an fp32 ssm state"
             if getattr(m, "activation", "silu") != "silu":
                 return {}, f"{type(m).__name__}'s conv activation {m.activation!r} is not silu"
-        elif _cache_keyword(m.forward) is None:
+        elif _cache_keyword(getattr(m, "_hybrid_hf_forward", m.forward)) is None:
             return {}, f"{type(m).__name__}'s forward takes no cache keyword ({', '.join(_CACHE_KWARGS)})"
     return {i: found[i] for i in state_idx}, None
 
@@ -57,62 +59,77 @@ def _cache_keyword(forward) -> str | None:
     return next((k for k in _CACHE_KWARGS if k in params), None)
 
 
-#: hybrid::engine_mixer_packed's mixers by key: (HF's forward, its cache keyword, the engine's cache, layer index)
+#: hybrid::engine_mixer_packed's mixers by key: (the module, weakly; its cache keyword; layer index)
 _MIXERS: list[tuple] = []
+_keys = itertools.count()
+#: the engines' caches by key (``PagedCache.packed_key``), so that an op body reaches the cache of its call
+_CACHES: "weakref.WeakValueDictionary[int, PagedCache]" = weakref.WeakValueDictionary()
 
 
 def install(model, cache: PagedCache, found: "dict[int, torch.nn.Module]") -> None:
-    """Give each mixer of ``found`` (``mixers``) the engine forward; idempotent."""
+    """Give each mixer of ``found`` (``mixers``) the engine forward (once per module: it serves every engine built on
+    the model, each call taking the cache it is given) and register ``cache`` for the ops' bodies."""
     from passes.ssm import mixer_spec
+    if getattr(cache, "packed_key", None) is None:
+        cache.packed_key = next(_keys)
+        _CACHES[cache.packed_key] = cache
     for idx, m in found.items():
         if getattr(m, "_hybrid_packed", False):
             continue
-        original = m.forward
+        original = m._hybrid_hf_forward = m.forward
         dims = mamba2_dims(m)
         if dims is not None:
             spec, weights = mixer_spec(m, dims)
             packed = _mamba2(spec, weights)
         else:
-            _MIXERS.append((original, _cache_keyword(original), cache, idx))
+            _MIXERS.append((weakref.ref(m), _cache_keyword(original), idx))
             packed = _generic(len(_MIXERS) - 1)
-        m.forward = _engine_forward(type(m).__name__, original, idx, cache, packed)
+        m.forward = _engine_forward(type(m).__name__, original, idx, packed)
         m._hybrid_packed = True
 
 
 def _mamba2(spec, weights):
-    def run(hidden, layer):
+    def run(hidden, cache, layer):
         return torch.ops.hybrid.mamba2_mixer_packed(*spec.packed_args(hidden, weights, layer.conv_buf, layer.ssm_buf,
                                                                       *layer.packed_maps))
     return run
 
 
 def _generic(key: int):
-    def run(hidden, layer):
-        return torch.ops.hybrid.engine_mixer_packed(hidden, key, layer.buffers, *layer.packed_maps)
+    def run(hidden, cache, layer):
+        return torch.ops.hybrid.engine_mixer_packed(hidden, key, cache.packed_key, layer.buffers, *layer.packed_maps)
     return run
 
 
-def _engine_forward(name: str, original, idx: int, engine_cache: PagedCache, packed):
+def _engine_forward(name: str, original, idx: int, packed):
+    """The mixer's forward: the packed op when the call's cache is an engine cache bound to a packed step, HF's
+    forward otherwise (other caches, other steps). A packed step that reaches the mixer without a cache argument
+    (a decoder layer that does not pass it on) raises: HF's forward would run the step as one sequence."""
     def forward(hidden_states, *args, **kwargs):
-        if not engine_cache.layers[idx].packed:
-            return original(hidden_states, *args, **kwargs)
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-        if cache is not engine_cache:
+        if isinstance(cache, PagedCache) and cache.layers[idx].packed:
+            return packed(hidden_states, cache, cache.layers[idx])
+        if cache is None and PACKED_STEP[0]:
             raise RuntimeError(f"a packed step reached {name} (layer {idx}) without the engine's cache as its cache "
                                "argument: packed steps cannot run this model's state layers")
-        return packed(hidden_states, cache.layers[idx])
+        return original(hidden_states, *args, **kwargs)
     return forward
 
 
+#: set by the runner while a packed step's forward runs (``_engine_forward``'s check)
+PACKED_STEP = [False]
+
+
 @torch.library.custom_op(op_name("engine_mixer_packed"), mutates_args={"states"})
-def _engine_mixer_packed(hidden: Tensor, key: int, states: list[Tensor], chunks: Tensor,
+def _engine_mixer_packed(hidden: Tensor, key: int, cache_key: int, states: list[Tensor], chunks: Tensor,
                          dec_tokens: Optional[Tensor], dec_rows: Optional[Tensor]) -> Tensor:
-    """HF's mixer ``key`` (``install``) over a packed step's tokens (hidden [1, N, Hd]): once per prefill chunk of
+    """HF's mixer ``key`` (``install``) over a packed step's tokens on the cache ``cache_key`` (hidden [1, N, Hd]): once per prefill chunk of
     ``chunks`` (host int64 [S, 4]: first token, count, state row, continues 0/1), the layer bound to that row (its
     states, or fresh ones for a new prompt) and the row written back after; once for the single tokens after a
     cached state (``dec_tokens``, rows ``dec_rows``), their rows gathered as a batch and written back. ``states``:
     the layer's state buffers, which those write-backs mutate."""
-    original, keyword, cache, idx = _MIXERS[key]
+    module, keyword, idx = _MIXERS[key]
+    original, cache = module()._hybrid_hf_forward, _CACHES[cache_key]
     layer = cache.layers[idx]
     out = torch.empty_like(hidden)
     for first, count, row, continues in chunks.tolist():
@@ -130,7 +147,7 @@ def _engine_mixer_packed(hidden: Tensor, key: int, states: list[Tensor], chunks:
 
 
 @_engine_mixer_packed.register_fake
-def _(hidden, key, states, chunks, dec_tokens, dec_rows):
+def _(hidden, key, cache_key, states, chunks, dec_tokens, dec_rows):
     return torch.empty_like(hidden)
 
 
