@@ -780,11 +780,12 @@ def test_compiled_cuda_graph_engine_matches_hf_generate(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels in recorded steps need a GPU")
-@pytest.mark.parametrize("name", ["llama", "mixtral", "deepseek_v3", "bamba"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "deepseek_v3", "bamba", "qwen3_next"])
 def test_compiled_packed_steps_on_the_gpu(name):
     """The GPU default with packed steps, fp32: prompts arriving while others decode share packed steps with them
     (hybrid::varlen_attention's Triton kernel under Inductor, or hybrid::mla_prefill's over MLA's latent pages;
-    Bamba's Mamba2 layers through hybrid::mamba2_mixer_packed's conv, SSD and state-update kernels;
+    Bamba's Mamba2 layers through hybrid::mamba2_mixer_packed's conv, SSD and state-update kernels, Qwen3-Next's
+    Gated DeltaNet through HF's forward per chunk with hybrid's delta-rule kernels;
     chunks cut to the budget), decode-only steps replay
     CUDA graphs; greedy tokens equal HF's."""
     prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]

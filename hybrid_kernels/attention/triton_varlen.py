@@ -86,13 +86,17 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sq_n, sq
 
 def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
                             ctx: torch.Tensor, v_dim: int, block_size: int, window: int,
-                            scale: float) -> torch.Tensor:
-    """``reference.varlen_attention_ref`` in one launch (same arguments, same result within rounding)."""
+                            scale: float, config: dict | None = None) -> torch.Tensor:
+    """``reference.varlen_attention_ref`` in one launch (same arguments, same result within rounding). ``config``
+    (bench/varlen.py's sweep) overrides the launch: rows (queries x heads per tile), block_n, num_warps, num_stages."""
     n_tok, hq, dk = q.shape
     hkv = buf.shape[1]
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
-    block_t = max(1, 64 // group_p)  # 64 rows per tile (queries x heads of the group), more for a larger group
+    dk_p, dv_p = triton.next_power_of_2(max(dk, 16)), triton.next_power_of_2(max(v_dim, 16))
+    cfg = {"rows": 64, "block_n": 64 if max(dk_p, dv_p) <= 128 else 32, "num_warps": 4, "num_stages": 2,
+           **(config or {})}
+    block_t = max(1, cfg["rows"] // group_p)  # rows per tile: queries x the heads of the group
     out = torch.empty(n_tok, hq, v_dim, dtype=q.dtype, device=q.device)
     num_seqs = ctx.shape[0]
     if n_tok == 0 or num_seqs == 0:
@@ -100,11 +104,10 @@ def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: tor
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert buf.stride(-1) == 1 and block_table.stride(-1) == 1, "buffer rows and table rows must be contiguous"
-    dk_p, dv_p = triton.next_power_of_2(max(dk, 16)), triton.next_power_of_2(max(v_dim, 16))
     grid = (n_tok // block_t + num_seqs, hkv)
     _varlen_kernel[grid](q, buf, block_table, cu_q, ctx, out, q.stride(0), q.stride(1), buf.stride(0), buf.stride(1),
                          out.stride(0), out.stride(1), block_table.stride(0), num_seqs, scale * LOG2E, window,
-                         GROUP=group, GROUP_P=group_p, BLOCK_T=block_t, BLOCK_N=64 if max(dk_p, dv_p) <= 128 else 32,
+                         GROUP=group, GROUP_P=group_p, BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
                          DK=dk, DV=v_dim, DK_P=dk_p, DV_P=dv_p, BS=block_size, IEEE=q.dtype == torch.float32,
-                         num_warps=4, num_stages=2)
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
