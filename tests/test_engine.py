@@ -212,6 +212,26 @@ def test_packed_state_mixers_leave_other_callers_alone(name):
     assert first.stats["packed_steps"] and second.stats["packed_steps"]
 
 
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
+def test_packed_state_chunks_of_prompts_admitted_together_share_a_call(name, monkeypatch):
+    """Prompts of one length admitted together lie back to back on consecutive state rows: their chunks run as one
+    batch through the mixer (``mixer.chunk_runs``), fresh and continuing, beside a decoding request; greedy tokens
+    equal HF's."""
+    from hybrid_kernels.ssm import mixer
+    from runtime.engine import packed_states
+    runs = []
+    real = mixer.chunk_runs
+    spy = lambda seqs: runs.append(real(seqs)) or runs[-1]  # noqa: E731
+    monkeypatch.setattr(mixer, "chunk_runs", spy)
+    monkeypatch.setattr(packed_states, "chunk_runs", spy)
+    prompts = [[3, 4, 5]] + [list(range(10 * i, 10 * i + 9)) for i in range(1, 4)]
+    want = [hf_greedy(name, p, 4) for p in prompts]
+    engine = Engine(zoo.build(name), compile=None, block_size=4, max_prefill_tokens=5, max_num_batched_tokens=16)
+    assert _staggered(engine, prompts, 4) == want
+    assert any(n == 3 and not cont for run in runs for _, _, _, cont, n in run), runs  # three fresh 5-token chunks
+    assert any(n == 3 and cont for run in runs for _, _, _, cont, n in run), runs  # then their 4-token rests
+
+
 @pytest.mark.parametrize("name", ["jamba", "mamba"])
 def test_packed_steps_with_whole_prompts(name):
     """Mamba1 mixers do not continue a multi-token chunk (no chunking): their prompts go whole, packed with the decodes

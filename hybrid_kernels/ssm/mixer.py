@@ -164,8 +164,8 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
       prompt; the row is overwritten);
     - ``dec_tokens`` / ``dec_rows`` (device int64 / int32, or None): single tokens that continue a cached state, in
       HF's decode form (dt not clamped), all in one conv update and one state update.
-    The in and out projections and the gated norm run once over all N tokens; the conv and the scan once per prefill
-    chunk."""
+    The in and out projections and the gated norm run once over all N tokens; the conv and the scan once per run of
+    prefill chunks that can share a batched call (``chunk_runs``: prompts admitted together)."""
     n = hidden.shape[1]
     heads, d_inner, conv_dim, nst = _mamba2_dims(w, head_dim, groups)
     conv_w = w.conv_w.reshape(conv_dim, -1)
@@ -173,19 +173,19 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
     gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
     y = torch.empty(n, d_inner, dtype=proj.dtype, device=proj.device)
     A = -torch.exp(w.A_log.float())
-    for first, count, row, continues in seqs.tolist():
-        rows = slice(first, first + count)
+    for first, count, row, continues, n in chunk_runs(seqs):  # n sequences of `count` tokens on rows row..row+n-1
+        toks, rows = slice(first, first + n * count), slice(row, row + n)
         xs, conv_state = torch.ops.hybrid.causal_conv1d(
-            xbc[rows].transpose(0, 1)[None], conv_w, w.conv_b, conv_buf[row:row + 1] if continues else None, "silu",
-            conv_buf.shape[-1])
-        conv_buf[row].copy_(conv_state[0])
-        x, b, c = torch.split(xs[0].transpose(0, 1), [d_inner, groups * nst, groups * nst], dim=-1)
+            xbc[toks].view(n, count, conv_dim).transpose(1, 2), conv_w, w.conv_b,
+            conv_buf[rows] if continues else None, "silu", conv_buf.shape[-1])
+        conv_buf[rows].copy_(conv_state)
+        x, b, c = torch.split(xs.transpose(1, 2), [d_inner, groups * nst, groups * nst], dim=-1)
         ys, ssm_state = torch.ops.hybrid.ssd_scan(
-            x.reshape(1, count, heads, head_dim), dt[rows][None], A, b.reshape(1, count, groups, nst),
-            c.reshape(1, count, groups, nst), chunk_size, w.D, None, w.dt_bias, True, dt_min, dt_max,
-            ssm_buf[row:row + 1] if continues else None)
-        ssm_buf[row].copy_(ssm_state[0])
-        y[rows] = ys.reshape(count, d_inner)
+            x.reshape(n, count, heads, head_dim), dt[toks].view(n, count, heads), A, b.reshape(n, count, groups, nst),
+            c.reshape(n, count, groups, nst), chunk_size, w.D, None, w.dt_bias, True, dt_min, dt_max,
+            ssm_buf[rows] if continues else None)
+        ssm_buf[rows].copy_(ssm_state)
+        y[toks] = ys.reshape(n * count, d_inner)
     if dec_tokens is not None:
         nd = dec_tokens.shape[0]
         xd = torch.ops.hybrid.causal_conv1d_update(xbc.index_select(0, dec_tokens), conv_buf, conv_w, w.conv_b, "silu",
@@ -197,3 +197,19 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
         y.index_copy_(0, dec_tokens, yd.reshape(nd, d_inner).to(y.dtype))
     out = F.linear(_gated_output(y, gate, w, eps, norm_group).to(hidden.dtype), w.out_proj_w, w.out_proj_b)
     return out[None]
+
+
+def chunk_runs(seqs: Tensor) -> list[tuple[int, int, int, int, int]]:
+    """The prefill chunks of a packed step's map (host [S, 4]: first token, count, state row, continues) as runs that
+    one batched call can take without copies: consecutive chunks of one length and kind (fresh or continuing) that lie
+    back to back on the token axis and on consecutive state rows, as the chunks of prompts admitted or continued
+    together do. Each run: (first token, count, first row, continues, sequences)."""
+    runs: list[list[int]] = []
+    for first, count, row, continues in seqs.tolist():
+        if runs:
+            f, c, r, k, n = runs[-1]
+            if c == count and k == continues and first == f + n * c and row == r + n:
+                runs[-1][4] += 1
+                continue
+        runs.append([first, count, row, continues, 1])
+    return [tuple(r) for r in runs]

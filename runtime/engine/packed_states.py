@@ -24,6 +24,7 @@ from torch import Tensor
 
 from graphs.modules import DELTA, SSM, classify, mamba2_dims
 from hybrid_kernels.library import op_name
+from hybrid_kernels.ssm.mixer import chunk_runs
 
 from .cache import PagedCache, SlotStateLayer
 
@@ -123,19 +124,21 @@ PACKED_STEP = [False]
 @torch.library.custom_op(op_name("engine_mixer_packed"), mutates_args={"states"})
 def _engine_mixer_packed(hidden: Tensor, key: int, cache_key: int, states: list[Tensor], chunks: Tensor,
                          dec_tokens: Optional[Tensor], dec_rows: Optional[Tensor]) -> Tensor:
-    """HF's mixer ``key`` (``install``) over a packed step's tokens on the cache ``cache_key`` (hidden [1, N, Hd]): once per prefill chunk of
-    ``chunks`` (host int64 [S, 4]: first token, count, state row, continues 0/1), the layer bound to that row (its
-    states, or fresh ones for a new prompt) and the row written back after; once for the single tokens after a
-    cached state (``dec_tokens``, rows ``dec_rows``), their rows gathered as a batch and written back. ``states``:
-    the layer's state buffers, which those write-backs mutate."""
+    """HF's mixer ``key`` (``install``) over a packed step's tokens on the cache ``cache_key`` (hidden [1, N, Hd]): once
+    per run of prefill chunks of ``chunks`` (host int64 [S, 4]: first token, count, state row, continues 0/1) that
+    lie back to back on consecutive rows (``chunk_runs``: a batch of equal rows, as a padded step of prompts of one
+    length), the layer bound to those rows (their states, or fresh ones for new prompts) and the rows written back
+    after; once for the single tokens after a cached state (``dec_tokens``, rows ``dec_rows``), their rows gathered
+    as a batch and written back. ``states``: the layer's state buffers, which those write-backs mutate."""
     module, keyword, idx = _MIXERS[key]
     original, cache = module()._hybrid_hf_forward, _CACHES[cache_key]
     layer = cache.layers[idx]
     out = torch.empty_like(hidden)
-    for first, count, row, continues in chunks.tolist():
-        rows = slice(row, row + 1)
+    for first, count, row, continues, n in chunk_runs(chunks):  # n sequences of `count` tokens, rows row..row+n-1
+        toks, rows = slice(first, first + n * count), slice(row, row + n)
         layer.bind_continue(rows) if continues else layer.bind_prefill()
-        out[:, first:first + count] = _first(original(hidden[:, first:first + count], **{keyword: cache}))
+        y = _first(original(hidden[0, toks].view(n, count, -1), **{keyword: cache}))
+        out[0, toks] = y.reshape(n * count, -1)
         layer.store_prefill(rows)
     if dec_tokens is not None:
         rows = dec_rows.long()

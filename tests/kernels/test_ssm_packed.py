@@ -22,8 +22,9 @@ def close(a, b, tol):
     assert err <= tol, f"max error {err:.3e} (tol {tol:.0e})"
 
 
-# (tokens, state row, cached before the step: 0 = a fresh prompt)
-SEQS = [(1, 3, 6), (1, 0, 9), (6, 5, 0), (5, 1, 7), (1, 4, 0), (9, 2, 0), (1, 6, 2)]
+# (tokens, state row, cached before the step: 0 = a fresh prompt); rows 5-6 and 7-8 hold runs of chunks that share one
+# batched call (mixer.chunk_runs)
+SEQS = [(1, 3, 6), (1, 0, 9), (6, 5, 0), (6, 6, 0), (5, 1, 7), (1, 4, 0), (4, 7, 3), (4, 8, 5), (9, 2, 0), (1, 9, 2)]
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["gated_norm", "no_norm"])
@@ -32,7 +33,7 @@ def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, monkeypatc
     if triton_path and DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     g = torch.Generator().manual_seed(11 + norm)
-    Hd, H, P, G, N, K, R = 24, 4, 8, 2, 8, 4, 8
+    Hd, H, P, G, N, K, R = 24, 4, 8, 2, 8, 4, 11
     d_inner, C = H * P, H * P + 2 * G * N
     w = Mamba2Weights(in_proj_w=rnd(d_inner + C + H, Hd, g=g) / Hd ** 0.5, in_proj_b=rnd(d_inner + C + H, g=g) * 0.1,
                       conv_w=rnd(C, 1, K, g=g), conv_b=rnd(C, g=g), dt_bias=rnd(H, g=g),
@@ -66,6 +67,8 @@ def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, monkeypatc
     got = torch.ops.hybrid.mamba2_mixer_packed(*spec.packed_args(
         hidden, w, conv_buf, ssm_buf, torch.tensor(table, dtype=torch.long),
         torch.tensor(dec_tokens, device=DEV), torch.tensor(dec_rows, dtype=torch.int32, device=DEV)))
+    from hybrid_kernels.ssm.mixer import chunk_runs
+    assert [r[4] for r in chunk_runs(torch.tensor(table))] == [2, 1, 1, 2, 1]
     close(got, torch.cat(want, dim=1), 1e-4)
     close(conv_buf, want_conv, 1e-5)
     close(ssm_buf, want_ssm, 1e-4)
