@@ -99,9 +99,10 @@ def _staggered(engine, prompts: list[list[int]], max_tokens: int) -> list[list[i
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "bamba", "mamba2",
-                                  "granitemoehybrid", "qwen3_next", "kimi_linear"])
+                                  "granitemoehybrid", "qwen3_next", "kimi_linear", "gpt_oss"])
 def test_packed_steps_mix_decodes_and_chunks(name):
-    """Models of attention (MLA included: attention over the latent pages) and state layers (each sequence on its own
+    """Models of attention (MLA included: attention over the latent pages; gpt-oss's sinks and sliding windows) and
+    state layers (each sequence on its own
     state row: Mamba2 through hybrid::mamba2_mixer_packed, delta-rule mixers through HF's forward per chunk,
     hybrid::engine_mixer_packed) take packed steps: the decoding sequences and chunks of prompts
     (fresh ones and ones continuing from several points) in one unpadded forward within the token budget; a decoding
@@ -176,13 +177,12 @@ def test_packed_mla_expands_long_chunks():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name,kwargs,why", [("gpt_oss", {}, "attention sinks"),
-                                             ("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
+@pytest.mark.parametrize("name,kwargs,why", [("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
                                              ("bamba", {"unrecognised": True}, "no SSM / delta-rule mixer")])
 def test_packed_steps_left_off_with_a_reason(name, kwargs, why, monkeypatch):
-    """Sinks (gpt_oss: the construction probe's packed step raises), MLA without the paged latent cache and state
-    layers whose mixer hybrid does not recognise (here: Bamba's, hidden from the classifier) keep the padded steps,
-    and say why; asking for packed steps there is a one-line error."""
+    """MLA without the paged latent cache and state layers whose mixer hybrid does not recognise (here: Bamba's,
+    hidden from the classifier) keep the padded steps, and say why; asking for packed steps there is a one-line
+    error."""
     if kwargs.pop("unrecognised", False):
         from runtime.engine import packed_states
         monkeypatch.setattr(packed_states, "classify", lambda m: None)

@@ -5,7 +5,9 @@ heads that share the kv head form the rows of one tile, so each key row loaded f
 its group. Programs find their sequence by a binary search over ``cu_q`` (sequence s's blocks start at program
 ``cu_q[s] // BLOCK_T + s``, so ``N // BLOCK_T + S`` programs cover every block of every sequence; the spare ones
 exit). Keys are read in place through the block table (no gather), scores in fp32 with an online softmax; a
-sequence's keys stop at its block's last query position (causal) and start at its first query's window."""
+sequence's keys stop at its block's last query position (causal) and start at its first query's window. Optional:
+logit soft-capping of the scaled scores, and learned sinks (one logit per query head that joins the softmax's
+denominator only)."""
 from __future__ import annotations
 
 import torch
@@ -16,10 +18,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sq_n, sq_h, sb_row, sb_h, so_n, so_h,
-                   s_tab, num_seqs, scale_log2, window, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_ptr, sq_n, sq_h, sb_row, sb_h, so_n,
+                   so_h, s_tab, num_seqs, scale_log2, softcap, window, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   DK_P: tl.constexpr, DV_P: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+                   DK_P: tl.constexpr, DV_P: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
+                   SINKS: tl.constexpr, CAP: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     lo = 0
@@ -69,7 +72,11 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sq_n, sq
             seen = jm[None, :] & (j[None, :] <= pos[:, None])
             if window > 0:
                 seen = seen & ((pos[:, None] - j[None, :]) < window)
-            sc = tl.where(seen, sc * scale_log2, float("-inf"))
+            if CAP:  # softcap * tanh(score / softcap), the score scaled; tanh(x) = 1 - 2 / (exp(2x) + 1)
+                sc = softcap * (1.0 - 2.0 / (tl.exp2(sc * (scale_log2 * 2.0 / softcap)) + 1.0)) * 1.4426950408889634
+            else:
+                sc = sc * scale_log2
+            sc = tl.where(seen, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -79,6 +86,12 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sq_n, sq
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if SINKS:  # a learned logit per head in the softmax's denominator, with no value (HF's sinks / s_aux)
+            sink = tl.load(sinks_ptr + head, mask=valid, other=0.0) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dv[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & (dv[None, :] < DV))
@@ -86,7 +99,8 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sq_n, sq
 
 def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
                             ctx: torch.Tensor, v_dim: int, block_size: int, window: int,
-                            scale: float, config: dict | None = None) -> torch.Tensor:
+                            scale: float, sinks: torch.Tensor | None = None, softcap: float = 0.0,
+                            config: dict | None = None) -> torch.Tensor:
     """``reference.varlen_attention_ref`` in one launch (same arguments, same result within rounding). ``config``
     (bench/varlen.py's sweep) overrides the launch: rows (queries x heads per tile), block_n, num_warps, num_stages."""
     n_tok, hq, dk = q.shape
@@ -105,9 +119,12 @@ def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: tor
         q = q.contiguous()
     assert buf.stride(-1) == 1 and block_table.stride(-1) == 1, "buffer rows and table rows must be contiguous"
     grid = (n_tok // block_t + num_seqs, hkv)
-    _varlen_kernel[grid](q, buf, block_table, cu_q, ctx, out, q.stride(0), q.stride(1), buf.stride(0), buf.stride(1),
-                         out.stride(0), out.stride(1), block_table.stride(0), num_seqs, scale * LOG2E, window,
+    sinks = None if sinks is None else sinks.float().contiguous()
+    _varlen_kernel[grid](q, buf, block_table, cu_q, ctx, out, out if sinks is None else sinks, q.stride(0), q.stride(1),
+                         buf.stride(0), buf.stride(1), out.stride(0), out.stride(1), block_table.stride(0), num_seqs,
+                         scale * LOG2E, float(softcap), window,
                          GROUP=group, GROUP_P=group_p, BLOCK_T=block_t, BLOCK_N=cfg["block_n"],
                          DK=dk, DV=v_dim, DK_P=dk_p, DV_P=dv_p, BS=block_size, IEEE=q.dtype == torch.float32,
+                         SINKS=sinks is not None, CAP=softcap > 0,
                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -17,11 +17,12 @@ logit soft-capping (``softcap``).
   the exact path: the step's keys gathered from the pages, then the model's own implementation.
 - Packed steps (the maps arrive as ``hybrid_cu_q`` / ``hybrid_ctx`` / ``hybrid_packed_table``): the query axis holds
   several sequences' tokens, decodes and prefill chunks alike; each attends causally (in its layer's window) to its
-  own keys in the pages through ``hybrid::varlen_attention``. MLA layers attend in the absorbed form over their
+  own keys in the pages through ``hybrid::varlen_attention`` (learned sinks and soft-capping included). MLA layers
+  attend in the absorbed form over their
   latent pages (``hybrid::mla_prefill``, ragged and causal): the query's nope part times W_UK (from the module's
   ``kv_b_proj``) scores against the cached latents, the output latents times W_UV are the values; the keys and values
-  HF expanded for the step are not read. Sinks, soft-capping and dropout raise there, and the engine then runs the
-  model without packed steps.
+  HF expanded for the step are not read. Sinks and soft-capping raise there (and dropout anywhere on a packed
+  step), and the engine then runs the model without packed steps.
 """
 from __future__ import annotations
 
@@ -116,9 +117,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     return out.view(b, 1, hq, dv), None
 
 
-def _unsupported_on_packed(dropout, kwargs) -> None:
-    unsupported = [name for name, on in (("attention sinks", kwargs.get("s_aux") is not None),
-                                         ("logit soft-capping", bool(kwargs.get("softcap"))),
+def _unsupported_on_packed(dropout, kwargs, sinks_and_caps: bool = False) -> None:
+    unsupported = [name for name, on in (("attention sinks", not sinks_and_caps and kwargs.get("s_aux") is not None),
+                                         ("logit soft-capping", not sinks_and_caps and bool(kwargs.get("softcap"))),
                                          ("attention dropout", bool(dropout))) if on]
     if unsupported:
         raise RuntimeError(f"packed steps do not run {unsupported[0]}")
@@ -127,16 +128,17 @@ def _unsupported_on_packed(dropout, kwargs) -> None:
 def _packed(query, buf, scaling, sliding_window, dropout, kwargs):
     """A packed step (``ModelRunner._launch_packed``): query [1, Hq, N, Dk] holds several sequences' tokens, each
     attending to its own keys in the paged buffer (already holding the step's keys) through
-    ``hybrid::varlen_attention``. What that op does not compute (sinks, soft-capping, dropout) raises: the engine's
+    ``hybrid::varlen_attention``, learned sinks (``s_aux``) and soft-capping included. Dropout raises: the engine's
     construction probe then leaves packed steps off for the model."""
-    _unsupported_on_packed(dropout, kwargs)
+    _unsupported_on_packed(dropout, kwargs, sinks_and_caps=True)
     if buf.dim() != 3:
         raise RuntimeError("hybrid_paged attention got gathered keys on a packed step: this model's cache layers are "
                            "not the engine's paged ones")
     dk = query.shape[-1]
     out = varlen_attention(query[0].transpose(0, 1), buf, kwargs["hybrid_packed_table"], kwargs["hybrid_cu_q"],
                            kwargs["hybrid_ctx"], buf.shape[-1] - dk, kwargs["hybrid_block_size"], sliding_window or 0,
-                           scaling if scaling is not None else dk ** -0.5)
+                           scaling if scaling is not None else dk ** -0.5, kwargs.get("s_aux"),
+                           float(kwargs.get("softcap") or 0.0))
     return out.unsqueeze(0), None
 
 

@@ -1,7 +1,7 @@
 """hybrid::varlen_attention: the Triton kernel against the torch reference, and the reference against plain
 per-sequence causal attention over dense keys; packed batches mixing one-token rows (decodes) with chunks that
-start mid-prompt, shuffled blocks, GQA / MHA / MQA, sliding windows, head dims that are not powers of two, bf16 on
-the GPU. CPU: the Triton interpreter (fp32)."""
+start mid-prompt, shuffled blocks, GQA / MHA / MQA, sliding windows, head dims that are not powers of two, learned
+sinks and soft-capping, bf16 on the GPU. CPU: the Triton interpreter (fp32)."""
 from __future__ import annotations
 
 import pytest
@@ -80,6 +80,42 @@ def test_triton_equals_reference_fp32(case):
     want = varlen_attention_ref(q, buf, table, cu, ctx, dv, bs, window, 0.3)
     got = varlen_attention_triton(q, buf, table, cu, ctx, dv, bs, window, 0.3)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("softcap,sinks,window", [(0.0, True, 0), (5.0, False, 0), (3.0, True, 6)],
+                         ids=["sinks", "softcap", "both+window"])
+def test_sinks_and_soft_capping(softcap, sinks, window):
+    """gpt-oss's learned sinks (one logit per head in the softmax, no value) and Gemma 2's soft-capping of the scaled
+    scores, as HF's eager attention computes them on dense keys (fp64); the Triton kernel against the reference
+    (fp32), sinks large enough to take most of a row's probability."""
+    queries, contexts, hq, hkv, dk, dv, bs = [5, 1, 23, 1], [5, 33, 23, 70], 8, 2, 16, 16, 4
+    q, buf, table, cu, ctx = packed_case(queries, contexts, hq, hkv, dk, dv, bs, torch.float64, seed=4)
+    q = q * 3  # scores past the cap
+    sink = torch.linspace(-2.0, 6.0, hq, dtype=torch.float64, device=DEV) if sinks else None
+    want = []
+    for s in range(len(queries)):
+        lo, hi, c = int(cu[s]), int(cu[s + 1]), int(ctx[s])
+        rows = torch.tensor([int(table[s, j // bs]) * bs + j % bs for j in range(c)], device=DEV)
+        k = buf[rows][..., dv:].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        v = buf[rows][..., :dv].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        w = q[lo:hi].transpose(0, 1) @ k.transpose(1, 2) * 0.3
+        if softcap:
+            w = torch.tanh(w / softcap) * softcap
+        pos, key = torch.arange(c - (hi - lo), c, device=DEV)[:, None], torch.arange(c, device=DEV)[None, :]
+        w = w.masked_fill(~((key <= pos) & ((pos - key < window) if window else True)), float("-inf"))
+        if sinks:
+            w = torch.cat([w, sink[:, None, None].expand(-1, hi - lo, 1)], -1)
+            w = (w - w.max(-1, keepdim=True).values).softmax(-1)[..., :-1]
+        else:
+            w = w.softmax(-1)
+        want.append((w @ v).transpose(0, 1))
+    ref = varlen_attention_ref(q, buf, table, cu, ctx, dv, bs, window, 0.3, sink, softcap)
+    assert rel_err(ref, torch.cat(want)) < 1e-12
+    got = varlen_attention_triton(q.float(), buf.float(), table, cu, ctx, dv, bs, window, 0.3,
+                                  None if sink is None else sink.float(), softcap)
+    assert rel_err(got, ref) < 1e-5
+    assert rel_err(varlen_attention(q.float(), buf.float(), table, cu, ctx, dv, bs, window, 0.3,
+                                    None if sink is None else sink.float(), softcap), ref) < 1e-5
 
 
 def test_strided_queries_and_the_op_dispatch():
