@@ -166,12 +166,11 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
       HF's decode form (dt not clamped), all in one conv update and one state update.
     The in and out projections and the gated norm run once over all N tokens; the conv and the scan once per run of
     prefill chunks that can share a batched call (``chunk_runs``: prompts admitted together)."""
-    n = hidden.shape[1]
     heads, d_inner, conv_dim, nst = _mamba2_dims(w, head_dim, groups)
     conv_w = w.conv_w.reshape(conv_dim, -1)
-    proj = _mamba2_proj(hidden[0], None, w, in_mult)  # [N, d_inner + C + H]
+    proj = _mamba2_proj(hidden, None, w, in_mult)[0]  # [N, d_inner + C + H] (multipliers may be [1, 1, width])
     gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
-    y = torch.empty(n, d_inner, dtype=proj.dtype, device=proj.device)
+    y = torch.empty(hidden.shape[1], d_inner, dtype=proj.dtype, device=proj.device)
     A = -torch.exp(w.A_log.float())
     for first, count, row, continues, n in chunk_runs(seqs):  # n sequences of `count` tokens on rows row..row+n-1
         toks, rows = slice(first, first + n * count), slice(row, row + n)

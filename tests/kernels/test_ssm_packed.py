@@ -39,7 +39,9 @@ def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, monkeypatc
                       conv_w=rnd(C, 1, K, g=g), conv_b=rnd(C, g=g), dt_bias=rnd(H, g=g),
                       A_log=torch.rand(H, generator=g).to(DEV), D=rnd(H, g=g),
                       norm_w=1 + 0.1 * rnd(d_inner, g=g) if norm else None,
-                      out_proj_w=rnd(Hd, d_inner, g=g) / d_inner ** 0.5, out_proj_b=None)
+                      out_proj_w=rnd(Hd, d_inner, g=g) / d_inner ** 0.5, out_proj_b=None,
+                      # Falcon-H1's mup_vector: per-channel multipliers of the in projection, kept [1, 1, width]
+                      proj_mult=None if norm else 1 + 0.1 * rnd(1, 1, d_inner + C + H, g=g))
     # a time-step limit that clamps: the chunked form clamps dt, the decode form (HF's) does not
     spec = Mamba2Spec(head_dim=P, groups=G, chunk_size=4, eps=1e-5, norm_group=d_inner // 2, dt_min=0.05, dt_max=0.9)
     conv_buf, ssm_buf = rnd(R, C, K, g=g), rnd(R, H, P, N, g=g)
