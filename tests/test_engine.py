@@ -178,14 +178,19 @@ def test_packed_mla_expands_long_chunks():
 
 
 @pytest.mark.parametrize("name,kwargs,why", [("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
-                                             ("bamba", {"unrecognised": True}, "no SSM / delta-rule mixer")])
+                                             ("bamba", {"unrecognised": True}, "no SSM / delta-rule mixer"),
+                                             ("mamba2", {"other_math": True}, "differs from hybrid's mamba2 mixer")])
 def test_packed_steps_left_off_with_a_reason(name, kwargs, why, monkeypatch):
-    """MLA without the paged latent cache and state layers whose mixer hybrid does not recognise (here: Bamba's,
-    hidden from the classifier) keep the padded steps, and say why; asking for packed steps there is a one-line
-    error."""
+    """MLA without the paged latent cache, state layers whose mixer hybrid does not recognise (here: Bamba's, hidden
+    from the classifier) and a Mamba2 mixer whose HF forward computes other than hybrid's op (here: the op's gated
+    output doubled) keep the padded steps, and say why; asking for packed steps there is a one-line error."""
     if kwargs.pop("unrecognised", False):
         from runtime.engine import packed_states
         monkeypatch.setattr(packed_states, "classify", lambda m: None)
+    if kwargs.pop("other_math", False):
+        from hybrid_kernels.ssm import mixer
+        real = mixer._gated_output
+        monkeypatch.setattr(mixer, "_gated_output", lambda *a: 2 * real(*a))
     engine = Engine(zoo.build(name), compile="hybrid-eager", **kwargs)
     assert not engine.scheduler.packed
     assert why in engine.packed_note

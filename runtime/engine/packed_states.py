@@ -42,6 +42,7 @@ def mixers(model, cache: PagedCache) -> "tuple[dict[int, torch.nn.Module], str |
     if missing:
         return {}, (f"state layers {missing[:4]} have no SSM / delta-rule mixer hybrid recognises (short "
                     "convolutions, other recurrences): packed steps need one per state layer")
+    proven = set()
     for i in state_idx:
         m = found[i]
         if mamba2_dims(m) is not None:
@@ -50,9 +51,27 @@ def mixers(model, cache: PagedCache) -> "tuple[dict[int, torch.nn.Module], str |
                 return {}, f"{type(m).__name__} keeps states other than a conv state and an fp32 ssm state"
             if getattr(m, "activation", "silu") != "silu":
                 return {}, f"{type(m).__name__}'s conv activation {m.activation!r} is not silu"
+            if type(m) not in proven:  # the op's math against HF's forward, once per mixer class
+                why = _math_differs(m)
+                if why:
+                    return {}, why
+                proven.add(type(m))
         elif _cache_keyword(getattr(m, "_hybrid_hf_forward", m.forward)) is None:
             return {}, f"{type(m).__name__}'s forward takes no cache keyword ({', '.join(_CACHE_KWARGS)})"
     return {i: found[i] for i in state_idx}, None
+
+
+def _math_differs(m) -> str | None:
+    """Why hybrid's Mamba2 mixer math (shared by ``hybrid::mamba2_mixer`` and the packed op) differs from this
+    mixer's HF forward on a probe batch, or None (the SSM pass's probe)."""
+    from passes.base import Skip
+    from passes.ssm import FuseSSM, mixer_spec
+    spec, weights = mixer_spec(m, mamba2_dims(m))
+    try:
+        FuseSSM._check_probe(m, spec, weights)
+    except Skip as e:
+        return f"{type(m).__name__}: {e}"
+    return None
 
 
 def _cache_keyword(forward) -> str | None:
