@@ -353,6 +353,30 @@ def test_decoding_requests_advance_between_the_chunks_of_a_long_prompt(name):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("packed", [False, None], ids=["padded", "packed"])
+def test_decode_padding_leaves_a_prompt_under_way_alone(packed):
+    """Decode steps pad their batch to a bucket (CUDA graphs' shapes), and padding rows update state rows n.. in
+    place: while a prompt between its chunks holds row n (three sequences decoding on rows 0-2, a 13-token prompt in
+    4-token chunks on row 3), the decode step runs unpadded instead; greedy tokens equal HF's."""
+    prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11], list(range(20, 33))]
+    want = [hf_greedy("mamba2", p, 6) for p in prompts]
+    engine = Engine(zoo.build("mamba2"), compile=None, bucket_decode=True, max_prefill_tokens=4, max_num_seqs=4,
+                    packed_steps=packed)
+    batches = []
+    real = engine.runner.launch
+    engine.runner.launch = lambda step, ahead=None: (
+        batches.append((step.kind, len(step.seqs), len(engine.slots.owners))), real(step, ahead))[1]
+    params = SamplingParams(max_tokens=6)
+    ids = [engine.add_request(p, params) for p in prompts[:3]]
+    engine.step()  # the three short prompts prefill together
+    ids.append(engine.add_request(prompts[3], params))
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(r).token_ids for r in ids] == want
+    if packed is False:  # a decode of three beside the prompt under way happened, and was not padded into its row
+        assert ("decode", 3, 4) in batches, batches
+
+
 @pytest.mark.parametrize("name", ["mamba2", "bamba"])
 def test_state_rows_gathered_where_not_consecutive(name, monkeypatch):
     """Padded steps: state rows of a prefill bound as gathered copies and stored back (the path of rows that are not

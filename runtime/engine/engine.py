@@ -577,7 +577,7 @@ class Engine:
                     return self._stalled()
                 pending = self._launch(step)
             if self.overlap and self._repeats(step, pending):
-                nxt = Step("decode", list(step.seqs), [1] * len(step.seqs))
+                nxt = Step("decode", list(step.seqs), [1] * len(step.seqs), rows_in_use=step.rows_in_use)
                 self._ahead = (nxt, self.runner.launch(nxt, ahead=pending))
             tokens = self.runner.finish(pending)
             if self.tp_group is not None and any(s.params.temperature != 0.0 for s in step.seqs):

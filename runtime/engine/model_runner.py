@@ -211,7 +211,7 @@ class ModelRunner:
         self.apply_moves(step.moves)
         if step.kind == "packed":
             return self._launch_packed(step)
-        n, state_row = len(step.seqs), None
+        n, state_row, graphed = len(step.seqs), None, True
         if step.kind == "prefill":
             assert ahead is None, "only decode steps run ahead"
             ids, positions, lengths, q_len = self._prefill_rows(step)
@@ -227,6 +227,10 @@ class ModelRunner:
         else:
             shift = 0 if ahead is None else 1
             pad = decode_bucket(n) - n if self.bucket_decode else 0
+            # padding rows of a decode step update state rows n.. in place: where another sequence (a prompt between
+            # its chunks) holds one of them, the step runs unpadded and unrecorded instead
+            graphed = not (self.cache.states and pad and step.rows_in_use > n)
+            pad = pad if graphed else 0
             lengths, rows, q_len = [len(s) + shift for s in step.seqs], n + pad, 1
             if self.cache.states:
                 slots = [s.state_slot for s in step.seqs]
@@ -234,7 +238,7 @@ class ModelRunner:
         batch = rows or n
         width = self._width(step.kind, lengths) if self.cache.attention else 0
         greedy = None
-        if step.kind == "decode" and self.graphs_enabled:
+        if step.kind == "decode" and self.graphs_enabled and graphed:
             logits, greedy = self._replay_decode(step, ahead, batch, width, lengths, pad)
         else:
             self._advanced = None

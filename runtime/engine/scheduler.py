@@ -36,6 +36,9 @@ class Step:
     moves: list[tuple[int, int]] = field(default_factory=list)
     #: a packed step's first ``num_decodes`` sequences decode (one token each); the others feed prefill chunks
     num_decodes: int = 0
+    #: state rows held when the step was scheduled (rows 0..n-1): a decode step of fewer sequences must not pad its
+    #: batch into the others (``ModelRunner.launch``)
+    rows_in_use: int = 0
 
 
 class Scheduler:
@@ -104,6 +107,7 @@ class Scheduler:
         if step is not None:
             step.moves, self._moves = self._moves, []
             self._last_kind = step.kind
+            step.rows_in_use = self.slots.num_used if self.slots is not None else 0
         return step
 
     def _decode_due(self) -> bool:
