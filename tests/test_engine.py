@@ -237,6 +237,21 @@ def test_packed_state_chunks_of_prompts_admitted_together_share_a_call(name, mon
     assert any(n == 3 and cont for run in runs for _, _, _, cont, n in run), runs  # then their 4-token rests
 
 
+def test_packed_generic_mixer_state_writes_survive_functionalization():
+    """hybrid::engine_mixer_packed writes the state rows through its declared mutable arguments: under AOTAutograd's
+    functionalization without Inductor's re-inplacing (backend="aot_eager"), the rows of Qwen3-Next's Gated DeltaNet
+    still carry each sequence's states from step to step; greedy tokens equal HF's."""
+    prompts = [list(range(5, 10)), list(range(20, 33))]
+    want = [hf_greedy("qwen3_next", p, 4) for p in prompts]
+    model = zoo.build("qwen3_next")
+    engine = Engine(model, compile=None, block_size=4, max_prefill_tokens=4, max_num_batched_tokens=8)
+    assert engine.scheduler.packed
+    engine.runner.forward = torch.compile(model, backend="aot_eager", dynamic=True)
+    assert _staggered(engine, prompts, 4) == want
+    assert engine.stats["packed_steps"] >= 2
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["jamba", "mamba"])
 def test_packed_steps_with_whole_prompts(name):
     """Mamba1 mixers do not continue a multi-token chunk (no chunking): their prompts go whole, packed with the decodes

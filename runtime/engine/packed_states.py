@@ -14,6 +14,7 @@ under torch.compile they are graph inputs; both ops are opaque to it (their bodi
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import weakref
@@ -152,6 +153,24 @@ def _engine_mixer_packed(hidden: Tensor, key: int, cache_key: int, states: list[
     module, keyword, idx = _MIXERS[key]
     original, cache = module()._hybrid_hf_forward, _CACHES[cache_key]
     layer = cache.layers[idx]
+    with _buffers(layer, states):
+        return _run_mixer(hidden, original, keyword, cache, layer, chunks, dec_tokens, dec_rows)
+
+
+@contextlib.contextmanager
+def _buffers(layer: SlotStateLayer, states: list[Tensor]):
+    """The layer's binds and stores go to ``states`` (the op's declared mutable arguments: under functionalization
+    they may be copies that torch writes back), then the layer's own buffers return."""
+    saved = layer.conv_buf, layer.ssm_buf
+    given = iter(states)
+    layer.conv_buf, layer.ssm_buf = (None if b is None else next(given) for b in saved)
+    try:
+        yield
+    finally:
+        layer.conv_buf, layer.ssm_buf = saved
+
+
+def _run_mixer(hidden, original, keyword, cache, layer, chunks, dec_tokens, dec_rows) -> Tensor:
     out = torch.empty_like(hidden)
     for first, count, row, continues, n in chunk_runs(chunks):  # n sequences of `count` tokens, rows row..row+n-1
         toks, rows = slice(first, first + n * count), slice(row, row + n)
