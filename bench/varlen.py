@@ -5,6 +5,7 @@ decodes at 1K keys + 2 chunks of 2K continuing 2K cached); decodes alone; MLA's 
 values 128 wide). Each config's output is checked against the default config (and SDPA for the prefill).
 
     python bench/varlen.py [--out bench/results/DATE_varlen_h200.json] [--quick]
+    python bench/varlen.py --compile-check     # no GPU: compile each config for sm_90, print regs / spills / smem
 """
 from __future__ import annotations
 
@@ -73,19 +74,61 @@ def sdpa_prefill(q, buf, table, cu, ctx, dv, n_seqs, n):
         lambda out: out.transpose(1, 2).reshape(n_seqs * n, hq, dv)
 
 
+GRID = [dict(rows=r, block_n=b, num_warps=w, num_stages=st) for r, b, w, st in itertools.product(
+    (64, 128), (32, 64, 128), (4, 8), (2, 3))]
+
+
+def compile_check(out: str | None) -> None:
+    """Every config of the sweep compiled for sm_90 on this machine (bf16, Mixtral's heads; MLA's expanded widths; one
+    with sinks and soft-capping): shared memory, wgmma, registers and spills, no GPU needed."""
+    from bench.moe import compile_offline
+    from hybrid_kernels.attention import triton_varlen
+    real, rows, lines = triton_varlen._varlen_kernel, [], ["| heads | dk/dv | config | extras | smem B | wgmma | regs | "
+                                                           "spills B |", "|---|---|---|---|---|---|---|---|"]
+    shapes = [(32, 8, 128, 128, False), (16, 16, 192, 128, False), (64, 8, 64, 64, True)]
+    for (hq, hkv, dk, dv, extras), cfg in itertools.product(shapes, GRID):
+        launches = []
+
+        class _Record:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: launches.append((a, kw))
+
+        meta = dict(device="meta", dtype=torch.bfloat16)
+        q, buf = torch.empty(1024, hq, dk, **meta), torch.empty(4096, hkv, dv + dk, **meta)
+        table = torch.empty(8, 64, device="meta", dtype=torch.int32)
+        cu, ctx = torch.empty(9, device="meta", dtype=torch.int32), torch.empty(8, device="meta", dtype=torch.int32)
+        triton_varlen._varlen_kernel = _Record()
+        try:
+            varlen_attention_triton(q, buf, table, cu, ctx, dv, BS, 0, 0.1, torch.empty(hq, device="meta") if extras
+                                    else None, 30.0 if extras else 0.0, config=cfg)
+        finally:
+            triton_varlen._varlen_kernel = real
+        a, kw = launches[0]
+        rep = dict(heads=f"{hq}/{hkv}", dims=f"{dk}/{dv}", config=cfg, extras=extras,
+                   **compile_offline(real, a, kw))
+        rows.append(rep)
+        c = f"{cfg['rows']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        lines.append(f"| {hq}/{hkv} | {dk}/{dv} | {c} | {'sinks+cap' if extras else '-'} | {rep['shared']} | "
+                     f"{rep['wgmma']} | {rep['regs']} | {rep['spill_bytes']} |")
+        log("varlen", lines[-1])
+    write(out, "varlen attention configs compiled for sm_90", rows, "\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="a few configs")
+    ap.add_argument("--compile-check", action="store_true", help="no GPU: compile the configs for sm_90")
     args = ap.parse_args()
+    if args.compile_check:
+        return compile_check(args.out)
     cases = {
         "prefill 16x512 (32/8 heads, 128)": ([512] * 16, [512] * 16, 32, 8, 128, 128),
         "mixed 64 dec@1K + 2x2K chunks@4K": ([1] * 64 + [2048] * 2, [1024] * 64 + [4096] * 2, 32, 8, 128, 128),
         "decodes 64@2K": ([1] * 64, [2048] * 64, 32, 8, 128, 128),
         "MLA expanded 16x512 (16 heads, 192/128)": ([512] * 16, [512] * 16, 16, 16, 192, 128),
     }
-    grid = [dict(rows=r, block_n=b, num_warps=w, num_stages=st) for r, b, w, st in itertools.product(
-        (64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    grid = GRID
     if args.quick:
         grid = [dict(rows=64, block_n=64, num_warps=4, num_stages=2), dict(rows=128, block_n=64, num_warps=8,
                                                                             num_stages=3)]
