@@ -51,11 +51,13 @@ def test_function_that_differs_is_refused(monkeypatch):
     assert "differs" in prepare.DELTA_REFUSED.pop(cls)
 
 
+@pytest.mark.parametrize("packed", [False, None], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear"])
-def test_engine_greedy_equals_hf(name, monkeypatch):
-    """The engine (compiled, hybrid::delta_rule in its prefill graphs, the in-place hybrid::delta_rule_step in its
-    decode graphs, state rows beside the paged caches) gives HF's greedy tokens for two prompts of different
-    lengths decoded together."""
+def test_engine_greedy_equals_hf(name, packed, monkeypatch):
+    """The engine (compiled, hybrid::delta_rule in its padded prefill graphs, the in-place hybrid::delta_rule_step in
+    its decode graphs, state rows beside the paged caches) gives HF's greedy tokens for two prompts of different
+    lengths decoded together; with packed steps too (their mixers run HF's forward per run of chunks, with hybrid's
+    delta-rule functions, so only the decode graphs hold the pass's rewrite)."""
     from passes import delta
     from runtime.engine import Engine
     steps = []
@@ -69,6 +71,9 @@ def test_engine_greedy_equals_hf(name, monkeypatch):
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
-    out = Engine(zoo.build(name)).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine = Engine(zoo.build(name), packed_steps=packed)
+    out = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in out] == want
-    assert True in steps and False in steps  # decode graphs rewritten in place; prefill graphs (no state) not
+    assert engine.scheduler.packed == (packed is None)
+    assert True in steps  # decode graphs rewritten in place
+    assert (False in steps) == (packed is False)  # padded prefill graphs (no state) not; packed ones hold no region
