@@ -104,9 +104,9 @@ class ModelRunner:
         self.pack_note = self._pack_note(model)
 
     def _pack_note(self, model) -> str | None:
-        """Why this model cannot take packed steps, or None. State layers take them where each is a Mamba2 mixer
-        (``packed_states``: the mixers get the engine forward here). MLA layers take them through the absorbed form of HF's
-        ``expand_kv`` (``attention._packed_mla``), so each MLA attention module must have that method over a
+        """Why this model cannot take packed steps, or None. State layers take them where each has an SSM or
+        delta-rule mixer hybrid recognises (``packed_states``: the mixers get the engine forward here). MLA layers
+        take them through the absorbed form of HF's ``expand_kv`` (``attention._packed_mla``), so each MLA attention module must have that method over a
         bias-free linear ``kv_b_proj`` that gives its keys and values (checked on random latents)."""
         cache = self.cache
         for why, bad in (("no attention or state layers", lambda: not cache.attention and not cache.states),
@@ -116,7 +116,7 @@ class ModelRunner:
                          ("the model's forward takes no logits_to_keep", lambda: not self.keep_last)):
             if bad():
                 return why
-        if cache.states:  # Mamba2 mixers run the packed op over the state rows (packed_states.py)
+        if cache.states:  # each sequence from its own state row (packed_states.py)
             found, why = packed_states.mixers(model, cache)
             if why:
                 return why
