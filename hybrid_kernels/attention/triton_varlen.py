@@ -18,6 +18,49 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _key_block(q, row, tab, start, last, pos, m_i, l_i, acc, sb_row, scale_log2, softcap, window, dk, dv,
+               BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
+               CAP: tl.constexpr, MASK: tl.constexpr):
+    """One block of keys folded into the online softmax of a tile; MASK applies the causal, window and length masks
+    (blocks wholly before every row's position need none)."""
+    j = start + tl.arange(0, BLOCK_N)
+    if MASK:
+        jm = j <= last
+        blk = tl.load(tab + j // BS, mask=jm, other=0)
+    else:
+        blk = tl.load(tab + j // BS)
+    slot = blk.to(tl.int64) * BS + j % BS
+    if MASK:
+        k = tl.load(row + slot[:, None] * sb_row + DV + dk[None, :], mask=jm[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(row + slot[:, None] * sb_row + dv[None, :], mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
+    else:
+        k = tl.load(row + slot[:, None] * sb_row + DV + dk[None, :], mask=dk[None, :] < DK, other=0.0)
+        v = tl.load(row + slot[:, None] * sb_row + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    if CAP:  # softcap * tanh(score / softcap), the score scaled; tanh(x) = 1 - 2 / (exp(2x) + 1)
+        sc = softcap * (1.0 - 2.0 / (tl.exp2(sc * (scale_log2 * 2.0 / softcap)) + 1.0)) * 1.4426950408889634
+    else:
+        sc = sc * scale_log2
+    if MASK:
+        seen = jm[None, :] & (j[None, :] <= pos[:, None])
+        if window > 0:
+            seen = seen & ((pos[:, None] - j[None, :]) < window)
+        sc = tl.where(seen, sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_ptr, sq_n, sq_h, sb_row, sb_h, so_n,
                    so_h, s_tab, num_seqs, scale_log2, softcap, window, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -57,35 +100,18 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_pt
         l_i = tl.zeros([BLOCK_T * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_T * GROUP_P, DV_P], tl.float32)
         row = buf_ptr + kvh * sb_h
-        for start in range(k_lo, last + 1, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jm = j <= last
-            blk = tl.load(table_ptr + s * s_tab + j // BS, mask=jm, other=0)
-            slot = blk.to(tl.int64) * BS + j % BS
-            k = tl.load(row + slot[:, None] * sb_row + DV + dk[None, :], mask=jm[:, None] & (dk[None, :] < DK),
-                        other=0.0)
-            v = tl.load(row + slot[:, None] * sb_row + dv[None, :], mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            seen = jm[None, :] & (j[None, :] <= pos[:, None])
-            if window > 0:
-                seen = seen & ((pos[:, None] - j[None, :]) < window)
-            if CAP:  # softcap * tanh(score / softcap), the score scaled; tanh(x) = 1 - 2 / (exp(2x) + 1)
-                sc = softcap * (1.0 - 2.0 / (tl.exp2(sc * (scale_log2 * 2.0 / softcap)) + 1.0)) * 1.4426950408889634
-            else:
-                sc = sc * scale_log2
-            sc = tl.where(seen, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        tab = table_ptr + s * s_tab
+        # Key blocks that end at or before the tile's first query position are seen by every row: no masks there
+        # (with a window, every block keeps its masks).
+        full = k_lo
+        if window == 0:
+            full = k_lo + (width - n + t0 + 1 - k_lo) // BLOCK_N * BLOCK_N
+        for start in range(k_lo, full, BLOCK_N):
+            m_i, l_i, acc = _key_block(q, row, tab, start, last, pos, m_i, l_i, acc, sb_row, scale_log2, softcap,
+                                       window, dk, dv, BLOCK_N, DK, DV, BS, IEEE, CAP, False)
+        for start in range(full, last + 1, BLOCK_N):
+            m_i, l_i, acc = _key_block(q, row, tab, start, last, pos, m_i, l_i, acc, sb_row, scale_log2, softcap,
+                                       window, dk, dv, BLOCK_N, DK, DV, BS, IEEE, CAP, True)
         if SINKS:  # a learned logit per head in the softmax's denominator, with no value (HF's sinks / s_aux)
             sink = tl.load(sinks_ptr + head, mask=valid, other=0.0) * 1.4426950408889634
             m_new = tl.maximum(m_i, sink)

@@ -61,6 +61,7 @@ CASES = [  # (queries per sequence, contexts, hq, hkv, dk, dv, block size, windo
     ([70, 1, 3], [100, 51, 3], 4, 1, 16, 8, 16, 0),              # MQA, dv != dk, a chunk longer than a tile
     ([12, 1, 20], [40, 50, 20], 4, 2, 16, 16, 4, 7),             # sliding window of 7, blocks of 4
     ([1], [1], 2, 2, 16, 16, 16, 3),
+    ([33, 1, 2], [230, 130, 2], 4, 2, 16, 16, 16, 0),            # several key blocks seen whole before the diagonal
 ]
 
 
