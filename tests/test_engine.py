@@ -1,6 +1,7 @@
 """The generation engine on the CPU: greedy outputs equal HF generate for every zoo model (several
 requests, different prompt lengths, arrivals while others decode), cache isolation, admission and
 preemption under a tiny cache, sampling, bad input, the CLI."""
+import functools
 import json
 import os
 import re
@@ -178,24 +179,53 @@ def test_packed_mla_expands_long_chunks():
 
 
 @pytest.mark.parametrize("name,kwargs,why", [("deepseek_v3", {"paged_decode": False}, "paged latent cache"),
-                                             ("bamba", {"unrecognised": True}, "no SSM / delta-rule mixer"),
+                                             ("bamba", {"unrecognised": True}, "no mixer module of their own"),
                                              ("mamba2", {"other_math": True}, "differs from hybrid's mamba2 mixer")])
 def test_packed_steps_left_off_with_a_reason(name, kwargs, why, monkeypatch):
-    """MLA without the paged latent cache, state layers whose mixer hybrid does not recognise (here: Bamba's, hidden
-    from the classifier) and a Mamba2 mixer whose HF forward computes other than hybrid's op (here: the op's gated
+    """MLA without the paged latent cache, state layers with no mixer module of their own (here: Bamba's mixers,
+    hidden from the classifier, their forward taking a required argument besides the hidden states) and a Mamba2 mixer whose HF forward computes other than hybrid's op (here: the op's gated
     output doubled) keep the padded steps, and say why; asking for packed steps there is a one-line error."""
-    if kwargs.pop("unrecognised", False):
+    def build():
+        model = zoo.build(name)
+        if unrecognised:
+            for m in model.modules():
+                if type(m).__name__ == "BambaMixer":
+                    m.forward = functools.partial(lambda real, hidden_states, *, attention_mask, **kw:
+                                                  real(hidden_states, attention_mask=attention_mask, **kw), m.forward)
+        return model
+    unrecognised = kwargs.pop("unrecognised", False)
+    if unrecognised:
         from runtime.engine import packed_states
         monkeypatch.setattr(packed_states, "classify", lambda m: None)
     if kwargs.pop("other_math", False):
         from hybrid_kernels.ssm import mixer
         real = mixer._gated_output
         monkeypatch.setattr(mixer, "_gated_output", lambda *a: 2 * real(*a))
-    engine = Engine(zoo.build(name), compile="hybrid-eager", **kwargs)
+    engine = Engine(build(), compile="hybrid-eager", **kwargs)
     assert not engine.scheduler.packed
     assert why in engine.packed_note
     with pytest.raises(ValueError, match="packed_steps=True, but .* takes no packed steps"):
-        Engine(zoo.build(name), compile="hybrid-eager", packed_steps=True, **kwargs)
+        Engine(build(), compile="hybrid-eager", packed_steps=True, **kwargs)
+
+
+def test_packed_steps_run_an_unrecognised_mixer_through_its_hf_forward(monkeypatch):
+    """A state layer whose mixer hybrid does not recognise (Bamba's, hidden from the classifier and the Mamba2
+    recogniser, as a short convolution or another recurrence is) still takes packed steps: its own module (the innermost one with that
+    layer_idx, its forward taking the cache by keyword) runs HF's forward per run of chunks and once for the decodes
+    (hybrid::engine_mixer_packed); greedy tokens equal HF's."""
+    from runtime.engine import packed_states
+    prompts = [list(range(5, 10)), list(range(20, 50)), list(range(60, 73)), [80, 81]]
+    want = [hf_greedy("bamba", p, 8) for p in prompts]
+    monkeypatch.setattr(packed_states, "classify", lambda m: None)
+    monkeypatch.setattr(packed_states, "mamba2_dims", lambda m: None)
+    model = zoo.build("bamba")
+    engine = Engine(model, compile="hybrid-eager", block_size=4, max_prefill_tokens=8, max_num_batched_tokens=12)
+    assert engine.scheduler.packed and engine.packed_note is None
+    mixers = [m for m in model.modules() if type(m).__name__ == "BambaMixer"]
+    assert mixers and all(m._hybrid_packed and m._hybrid_hf_forward is not None for m in mixers)
+    steps = _steps(engine)
+    assert _staggered(engine, prompts, 8) == want
+    assert any(kind == "packed" and d >= 1 and len(t) > d for kind, d, t in steps), steps
 
 
 @pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])

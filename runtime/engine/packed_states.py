@@ -6,7 +6,8 @@ engine's cache layer bound with ``packed``) each sequence runs from its own stat
 forward runs unchanged. Two forms:
 - Mamba2 mixers: ``hybrid::mamba2_mixer_packed``, one op over all the tokens (projections and gated norm once; conv
   and SSD per prefill chunk; single tokens after a cached state in one conv update and one state update);
-- other mixers hybrid recognises (Mamba1, Gated DeltaNet, Kimi Delta Attention): ``hybrid::engine_mixer_packed``
+- every other state layer's mixer (Mamba1, Gated DeltaNet, Kimi Delta Attention, short convolutions, any
+  module of the layer whose forward takes the cache by keyword): ``hybrid::engine_mixer_packed``
   calls HF's own forward per prefill chunk and once for all single tokens after a cached state, the layer bound to
   those sequences' rows as a padded step would bind it, so each sequence gets what HF computes for it alone.
 The step's maps (``state_maps``) sit on the cache layers, which reach the mixer as the call's cache argument, so
@@ -39,10 +40,13 @@ def mixers(model, cache: PagedCache) -> "tuple[dict[int, torch.nn.Module], str |
     state_idx = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SlotStateLayer)]
     found = {m.layer_idx: m for m in model.modules()
              if classify(m) in (SSM, DELTA) and isinstance(getattr(m, "layer_idx", None), int)}
+    for i in state_idx:
+        if i not in found and (m := _state_module(model, i)) is not None:
+            found[i] = m
     missing = [i for i in state_idx if i not in found]
     if missing:
-        return {}, (f"state layers {missing[:4]} have no SSM / delta-rule mixer hybrid recognises (short "
-                    "convolutions, other recurrences): packed steps need one per state layer")
+        return {}, (f"state layers {missing[:4]} have no mixer module of their own (one with that layer_idx whose "
+                    f"forward takes the cache as {' / '.join(_CACHE_KWARGS)}): packed steps need one per state layer")
     proven = set()
     for i in state_idx:
         m = found[i]
@@ -60,6 +64,20 @@ def mixers(model, cache: PagedCache) -> "tuple[dict[int, torch.nn.Module], str |
         elif _cache_keyword(getattr(m, "_hybrid_hf_forward", m.forward)) is None:
             return {}, f"{type(m).__name__}'s forward takes no cache keyword ({', '.join(_CACHE_KWARGS)})"
     return {i: found[i] for i in state_idx}, None
+
+
+def _state_module(model, idx: int):
+    """The innermost module carrying ``layer_idx == idx`` when its forward takes the hidden states and, by keyword,
+    the cache and nothing else it requires (a short convolution, another recurrence): HF's own forward runs it on
+    packed steps (``hybrid::engine_mixer_packed``), bound to the rows as a padded step binds them. Else None."""
+    own = [m for m in model.modules() if getattr(m, "layer_idx", None) == idx]
+    inner = [m for m in own if not any(o is not m and o in set(m.modules()) for o in own)]
+    if len(inner) != 1 or classify(inner[0]) is not None:
+        return None
+    forward = getattr(inner[0], "_hybrid_hf_forward", inner[0].forward)
+    required = [p for p in list(inspect.signature(forward).parameters.values())[1:]
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return inner[0] if _cache_keyword(forward) is not None and not required else None
 
 
 def _math_differs(m) -> str | None:
