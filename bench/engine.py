@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import sys
 import time
@@ -327,6 +328,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _set_varlen_config(spec: str) -> None:
+    """Replace the varlen attention kernel's launch rule with one config (JSON, or the fastest prefill row of a
+    bench/varlen.py result file)."""
+    from hybrid_kernels.attention import triton_varlen
+    if spec.lstrip().startswith("{"):
+        cfg = json.loads(spec)
+    else:
+        rows = [r for r in json.load(open(spec))["rows"] if r["case"].startswith("prefill")]
+        cfg = min(rows, key=lambda r: r["ms"])["config"]
+    log("engine", f"varlen attention launch: {cfg}")
+    triton_varlen.launch_config = lambda *a: dict(cfg)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -344,9 +358,13 @@ def main() -> int:
     ap.add_argument("--compile-options", default="",
                     help="backend options for the engine, e.g. complex=0,moe=1 (pass switches; 0/1 values); "
                     "inductor.KEY=0/1: an Inductor config patch (inductor.combo_kernels=1)")
+    ap.add_argument("--varlen-config", help="hybrid::varlen_attention's launch for every call, as JSON (rows, block_n, "
+                    "num_warps, num_stages), or a bench/varlen.py result file: its fastest config on the prefill case")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="tiny zoo models on the CPU")
     args = ap.parse_args()
+    if args.varlen_config:
+        _set_varlen_config(args.varlen_config)
     quiet_transformers()
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

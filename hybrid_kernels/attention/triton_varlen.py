@@ -123,6 +123,12 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_pt
                  mask=valid[:, None] & (dv[None, :] < DV))
 
 
+def launch_config(n_tok: int, num_seqs: int, dk_p: int, dv_p: int) -> dict:
+    """The launch for a step of ``n_tok`` queries over ``num_seqs`` sequences, head widths padded to ``dk_p`` /
+    ``dv_p``: rows (queries x heads per tile), block_n (keys per block), num_warps, num_stages."""
+    return {"rows": 64, "block_n": 64 if max(dk_p, dv_p) <= 128 else 32, "num_warps": 4, "num_stages": 2}
+
+
 def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
                             ctx: torch.Tensor, v_dim: int, block_size: int, window: int,
                             scale: float, sinks: torch.Tensor | None = None, softcap: float = 0.0,
@@ -134,8 +140,7 @@ def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: tor
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
     dk_p, dv_p = triton.next_power_of_2(max(dk, 16)), triton.next_power_of_2(max(v_dim, 16))
-    cfg = {"rows": 64, "block_n": 64 if max(dk_p, dv_p) <= 128 else 32, "num_warps": 4, "num_stages": 2,
-           **(config or {})}
+    cfg = {**launch_config(n_tok, ctx.shape[0], dk_p, dv_p), **(config or {})}
     block_t = max(1, cfg["rows"] // group_p)  # rows per tile: queries x the heads of the group
     out = torch.empty(n_tok, hq, v_dim, dtype=q.dtype, device=q.device)
     num_seqs = ctx.shape[0]
