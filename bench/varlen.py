@@ -16,10 +16,11 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import PEAK_FLOPS, log, write  # noqa: E402
-from hybrid_kernels.attention.triton_varlen import varlen_attention_triton  # noqa: E402
+from hybrid_kernels.attention.triton_varlen import launch_config, varlen_attention_triton  # noqa: E402
 from hybrid_kernels.numerics import rel_err  # noqa: E402
 
 BS = 16
@@ -161,8 +162,8 @@ def main():
             rows.append(dict(case=name, config=cfg, ms=ms, default_ms=base, sdpa_ms=sdpa_ms, tflops=fl / ms / 1e9,
                              rel_err=err))
         results.sort(key=lambda r: r[0])
-        for ms, cfg, err in results[:6] + [r for r in results if r[1] == dict(rows=64, block_n=64 if dk <= 128 else 32,
-                                                                                 num_warps=4, num_stages=2)]:
+        default = launch_config(sum(queries), len(queries), triton.next_power_of_2(dk), triton.next_power_of_2(dv))
+        for ms, cfg, err in results[:6] + [r for r in results if r[1] == default]:
             c = f"{cfg['rows']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
             lines.append(f"| {name} | {c} | {ms:.3f} | {fl / ms / 1e9:.0f} | {100 * fl / ms / 1e9 / (PEAK_FLOPS / 1e12):.0f}"
                          f" | {ms / base:.2f} | {'-' if sdpa_ms is None else f'{ms / sdpa_ms:.2f}'} | {err:.1e} |")

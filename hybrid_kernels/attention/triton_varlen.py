@@ -125,8 +125,20 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_pt
 
 def launch_config(n_tok: int, num_seqs: int, dk_p: int, dv_p: int) -> dict:
     """The launch for a step of ``n_tok`` queries over ``num_seqs`` sequences, head widths padded to ``dk_p`` /
-    ``dv_p``: rows (queries x heads per tile), block_n (keys per block), num_warps, num_stages."""
-    return {"rows": 64, "block_n": 64 if max(dk_p, dv_p) <= 128 else 32, "num_warps": 4, "num_stages": 2}
+    ``dv_p``: rows (queries x heads per tile), block_n (keys per block), num_warps, num_stages. Each branch is the
+    fastest config of bench/varlen.py's sweep on its step kind (H100, bf16): decodes (under 4 queries a sequence),
+    long prefill chunks (128 or more) and the steps between (decodes beside a few long chunks); heads wider than 128
+    (MLA's expanded keys) take 8 warps for their larger tiles."""
+    per_seq = n_tok / max(num_seqs, 1)
+    if max(dk_p, dv_p) > 128:
+        if per_seq < 4:
+            return {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+        return {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    if per_seq < 4:
+        return {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    if per_seq >= 128:
+        return {"rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
+    return {"rows": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 def varlen_attention_triton(q: torch.Tensor, buf: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,

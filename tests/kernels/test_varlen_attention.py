@@ -4,12 +4,14 @@ start mid-prompt, shuffled blocks, GQA / MHA / MQA, sliding windows, head dims t
 sinks and soft-capping, bf16 on the GPU. CPU: the Triton interpreter (fp32)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from hybrid_kernels.attention.ops import varlen_attention
 from hybrid_kernels.attention.reference import varlen_attention_ref
-from hybrid_kernels.attention.triton_varlen import varlen_attention_triton
+from hybrid_kernels.attention.triton_varlen import launch_config, varlen_attention_triton
 from hybrid_kernels.numerics import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +83,22 @@ def test_triton_equals_reference_fp32(case):
     want = varlen_attention_ref(q, buf, table, cu, ctx, dv, bs, window, 0.3)
     got = varlen_attention_triton(q, buf, table, cu, ctx, dv, bs, window, 0.3)
     assert rel_err(got, want) < 1e-5
+
+
+LAUNCHES = sorted({tuple(launch_config(n, s, d, d).items()) for n, s, d in itertools.product((4, 64, 1024), (1, 4),
+                                                                                               (64, 256))})
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: "-".join(str(v) for _, v in c))
+def test_every_launch_of_the_rule(launch):
+    """Each config ``launch_config`` picks for some step (decodes, long chunks, the steps between; wide heads) on a
+    step with fresh prompts, decodes, a chunk continuing its prompt and a sliding window, MLA's widths (dk 40 / dv 24
+    here: dk != dv, neither a power of two)."""
+    for window, (dk, dv) in itertools.product((0, 9), ((32, 32), (40, 24))):
+        q, buf, table, cu, ctx = packed_case([70, 1, 3, 20], [100, 51, 3, 20], 4, 2, dk, dv, 16, torch.float32, seed=3)
+        want = varlen_attention_ref(q, buf, table, cu, ctx, dv, 16, window, 0.3)
+        got = varlen_attention_triton(q, buf, table, cu, ctx, dv, 16, window, 0.3, config=dict(launch))
+        assert rel_err(got, want) < 1e-5, (window, dk, dv)
 
 
 @pytest.mark.parametrize("softcap,sinks,window", [(0.0, True, 0), (5.0, False, 0), (3.0, True, 6)],
