@@ -148,6 +148,31 @@ def test_stop_strings_end_the_text_and_the_request(server, alone):
     idle(server.engine)
 
 
+def test_a_stop_string_ends_its_choice_once_among_several_prompts(server, alone):
+    """Several prompts in one call, two of them stopped by a stop string while the third runs on: a stopped choice
+    gets no token the engine made before it heard the abort, and one finish (a single chunk when streaming)."""
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0)
+    stop = full.choices[0].text[5:7]
+    one = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, stop=stop)
+    prompts = ["Hello", "The quick brown fox", "Hello"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=20, temperature=0, stop=stop)
+    for i in (0, 2):
+        assert (r.choices[i].text, r.choices[i].finish_reason) == (one.choices[0].text, "stop")
+        assert r.choices[i].token_ids == one.choices[0].token_ids
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+    ends, ids = {}, {}
+    for ch in client.completions.create(model=MODEL, prompt=prompts, max_tokens=20, temperature=0, stop=stop,
+                                        stream=True):
+        c = ch.choices[0]
+        ids.setdefault(c.index, []).extend(c.token_ids)
+        if c.finish_reason is not None:
+            ends[c.index] = ends.get(c.index, 0) + 1
+    assert ends == {0: 1, 1: 1, 2: 1}
+    assert [ids[i] for i in range(3)] == [c.token_ids for c in r.choices]
+    idle(server.engine)
+
+
 def test_many_concurrent_streaming_clients_get_the_engines_tokens(server, alone):
     prompts = [[8 + (i * 7) % 200, 9 + i % 90, 10 + (i * 13) % 150][: 1 + i % 3] for i in range(256)]
     want = [alone(p, 6) for p in prompts]

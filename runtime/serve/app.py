@@ -163,7 +163,10 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
             while open_:
                 event = await box.get()
                 rid = event.request_id
-                piece, new_ids = _take(loop, choices, event, open_)
+                taken = _take(loop, choices, event, open_)
+                if taken is None:
+                    continue
+                piece, new_ids = taken
                 reason = choices[rid].reason
                 if reason == "error":
                     yield _sse(APIError(f"the request failed in the engine: {choices[rid].error}", status=500,
@@ -182,8 +185,12 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
             for rid in open_:
                 loop.abort(rid)
 
-    def _take(loop, choices, event, open_) -> tuple[str, list[int]]:
+    def _take(loop, choices, event, open_) -> tuple[str, list[int]] | None:
+        """The event's new text and ids, or None for an event after its choice ended (tokens the engine made before
+        it heard a stop string's abort, and the abort's own end): nothing of those reaches the client."""
         choice = choices[event.request_id]
+        if choice.reason is not None:
+            return None
         piece, new_ids = choice.add(event)
         if event.finished and event.finish_reason == "error":
             choice.reason, choice.error = "error", event.error
