@@ -350,10 +350,11 @@ def cmd_export(args) -> int:
     from runtime.aot import export_engine
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     t0 = time.perf_counter()
-    export_engine(args.model, args.out_dir, device=args.device or "cpu", dtype=dtype, max_batch=args.max_batch,
-                  max_seq_len=args.max_seq_len, force=args.force, aot=args.aot,
-                  progress=lambda msg: _say(f"[{time.perf_counter() - t0:6.1f}s] {msg}"))
-    _say(f"run it with: hybrid generate {args.out_dir} --prompt-ids 5,6,7")
+    out = export_engine(args.model, args.out_dir, device=args.device or "cpu", dtype=dtype, max_batch=args.max_batch,
+                        max_seq_len=args.max_seq_len, force=args.force, aot=args.aot,
+                        progress=lambda msg: _say(f"[{time.perf_counter() - t0:6.1f}s] {msg}"))
+    limit = json.loads((out / "manifest.json").read_text())["engine"]["max_seq_len"]
+    _say(f"run it with: hybrid generate {args.out_dir} --prompt-ids 5,6,7 --max-new-tokens {min(16, limit - 3)}")
     return 0
 
 
@@ -494,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", dest="prompts", help="text prompt (needs a tokenizer); repeatable")
     g.add_argument("--prompt-ids", action="append", dest="prompts", type=_prompt_ids,
                    help="comma-separated token ids, e.g. 5,6,7; repeatable")
-    g.add_argument("--max-new-tokens", type=_sampling("max_tokens", int), default=16)
+    g.add_argument("--max-new-tokens", type=_sampling("max_tokens", int), default=16,
+                   help="tokens to generate per prompt (default: 16)")
     g.add_argument("--temperature", type=_sampling("temperature", float), default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=_sampling("top_k", int), default=0)
     g.add_argument("--top-p", type=_sampling("top_p", float), default=1.0)
@@ -548,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
     x.add_argument("--max-batch", type=_int_at_least(1), default=32, help="most sequences decoded together")
     x.add_argument("--max-seq-len", type=_int_at_least(1), default=None,
-                   help="longest sequence, prompt + output (default: the model's maximum)")
+                   help="longest sequence, prompt + output (at least 16; default: the model's maximum)")
     x.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (its engine files replaced)")
     x.add_argument("--aot", choices=("inductor", "none"), default=None,
                    help="inductor: also compile every graph into an AOTInductor package, which loads fused (needs a "

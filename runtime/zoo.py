@@ -344,6 +344,18 @@ def _check_loading_info(path: Path, info: dict, allow_missing_weights: bool) -> 
                     "(--allow-missing-weights) to load the model with those weights random")
 
 
+def writable_dir(directory: Path, what: str) -> None:
+    """Create ``directory`` (and its parents) and check that a file can be written in it, before any long work; an
+    ``OSError`` naming the path and the reason otherwise."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".hybrid-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"cannot write {what} {directory}: {e.strerror or e}; give a writable path") from None
+
+
 def save(name: str, directory: str | Path, dtype: torch.dtype = torch.float32, *, force: bool = False) -> Path:
     """Write zoo model ``name`` as an HF model directory. A file at ``directory``, or a directory with anything in
     it, is refused unless ``force`` (which replaces the file, or the directory's config and weight files)."""
@@ -365,6 +377,7 @@ def save(name: str, directory: str | Path, dtype: torch.dtype = torch.float32, *
                         "chat_template.jinja"):
             for old in directory.glob(pattern):
                 old.unlink()
+    writable_dir(directory, "the model directory")
     build(name, dtype=dtype).save_pretrained(directory)
     load_tokenizer(name).save_pretrained(directory)
     for written in ("config.json", "model.safetensors"):

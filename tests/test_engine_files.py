@@ -191,6 +191,33 @@ def test_requests_beyond_the_exported_limits(exported, tmp_path):
         Engine.from_engine(path, compile="hybrid")
 
 
+def test_hidden_files_pass_and_other_unlisted_files_are_refused(exported, tmp_path):
+    """Files under hidden folders (what a download tool's ``--local-dir`` leaves in .cache/) and hidden files are
+    not the engine's: the directory loads with them. A visible file the manifest does not list is refused in one
+    line that says what to do."""
+    def hidden(p):
+        (p / ".cache" / "huggingface").mkdir(parents=True)
+        (p / ".cache" / "huggingface" / "x.lock").write_text("")
+        (p / ".DS_Store").write_text("")
+    path = _broken(exported, tmp_path, hidden)
+    assert Engine.from_engine(path).generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(EngineFileError, match="lists no checksum for notes.txt: .* remove those files or export"):
+        Engine.from_engine(path)
+
+
+def test_export_checks_its_limits_and_directory_before_loading(tmp_path, capsys):
+    """A sequence limit under what an engine directory can hold and a directory that cannot be written are refused
+    in one line before the model is loaded."""
+    assert main(["export", "llama", str(tmp_path / "short"), "--max-seq-len", "4"]) == 2
+    assert "at least 16 tokens a sequence (--max-seq-len 16 or more)" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["export", "llama", str(tmp_path / "file" / "eng")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the engine directory" in err and "loading" not in err
+    assert not (tmp_path / "short").exists()
+
+
 def test_aot_inductor_packages_load_in_a_fresh_process(tmp_path):
     """``aot="inductor"``: every program also compiled by AOTInductor (linked against libstdc++ dynamically, checked
     against its exported program at export); a fresh process runs the packages, traces nothing and compiles nothing,

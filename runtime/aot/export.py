@@ -19,6 +19,8 @@ from runtime.engine.warmup import call_kinds, prompt_ids
 
 #: "inductor": every program also as an AOTInductor package; "none": the exported programs alone
 AOT_ROUTES = ("inductor", "none")
+#: the shortest sequence limit an export takes: below it the export's requests reach no prefill program
+MIN_SEQ_LEN = 16
 
 
 def _spec_json(spec) -> dict:
@@ -67,7 +69,11 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out} exists and is not an empty directory: give a new path, or --force to replace "
                               "the engine files in it")
+    if max_seq_len is not None and max_seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"max_seq_len {max_seq_len}: an engine directory holds at least {MIN_SEQ_LEN} tokens a "
+                         f"sequence (--max-seq-len {MIN_SEQ_LEN} or more)")
     dev = zoo.check_device(device)
+    zoo.writable_dir(out, "the engine directory")
     aot = aot or "none"
     if aot not in AOT_ROUTES:
         raise ValueError(f"aot={aot!r}: expected one of {', '.join(AOT_ROUTES)}")

@@ -252,15 +252,17 @@ def check_manifest(path: Path, manifest: dict, device: torch.device) -> None:
     if device.type == "cuda" and device_info(device)["capability"] != want["capability"]:
         raise EngineFileError(f"{path} was exported for GPU architecture sm {want['capability']} ({want['name']}); "
                               f"this GPU is sm {device_info(device)['capability']}: export it again on this GPU")
-    held = {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() and f.name != MANIFEST
-            and not f.name.startswith(".") and f.relative_to(path).parts[0] != TRITON_CACHE}
+    # every file the directory holds is checked, but hidden ones and those under hidden folders (a download tool's
+    # .cache/, an OS's .DS_Store), which the load never reads
+    held = {rel.as_posix() for rel in (f.relative_to(path) for f in path.rglob("*") if f.is_file())
+            if rel.name != MANIFEST and not any(p.startswith(".") for p in rel.parts) and rel.parts[0] != TRITON_CACHE}
     needed = {"config.json", "weights.safetensors", "consts.safetensors"} | {
         p[k] for p in manifest["programs"] if isinstance(p, dict) for k in ("file", "package")
         if isinstance(p.get(k), str)}
     unlisted = sorted((held | needed) - set(manifest["files"]))
     if unlisted:
         raise EngineFileError(f"{path / MANIFEST} lists no checksum for {', '.join(unlisted[:3])}: the manifest was "
-                              "changed or the directory holds files it did not write; export the engine again")
+                              "changed or the directory holds files it did not write; remove those files or export the engine again")
     for rel, digest in manifest["files"].items():
         file = path / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
