@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from runtime.engine import Engine, SamplingParams  # noqa: E402
-from runtime.serve.app import build_app  # noqa: E402
+from runtime.serve import server as serve_app  # noqa: E402
 
 MODEL = "llama"
 PROMPTS = ["Hello", "The quick brown fox", "a"]
@@ -34,8 +34,8 @@ class Server:
 
     def __init__(self, engine: Engine):
         self.engine, self.port = engine, free_port()
-        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = serve_app(engine, MODEL, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=5)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -265,6 +265,30 @@ def test_wrong_method_and_the_openai_client_errors(server):
         server.client().completions.create(model=MODEL, prompt="x", best_of=3)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         server.client().chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+
+
+def test_shutdown_ends_open_streams_cleanly():
+    """A server stopped while a stream is under way ends it first: its last chunk (finish reason "abort") and
+    ``[DONE]`` reach the client, and the shutdown does not wait out the graceful timeout (5 s)."""
+    engine = Engine.from_pretrained(MODEL, compile=None)
+    real = engine.runner.forward
+
+    def slow(*args, **kwargs):  # 240 tokens take 5 s or more: the stream is under way when the server stops
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+    engine.runner.forward = slow
+    s = Server(engine)
+    body = dict(model=MODEL, prompt="Hello", max_tokens=240, temperature=0, ignore_eos=True, stream=True)
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        t0 = time.time()
+        threading.Thread(target=s.stop, daemon=True).start()
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    s.thread.join(30)
+    assert not s.thread.is_alive() and time.time() - t0 < 4
 
 
 def test_a_failing_step_is_a_json_500_and_the_server_goes_on():

@@ -44,6 +44,11 @@ class EngineLoop:
         """End a request and stop delivering its events (nothing more arrives on its queue)."""
         self._commands.put(("abort", request_id))
 
+    def end_requests(self) -> None:
+        """End every request now (finish reason "abort"; the server is shutting down): each stream gets its last
+        event and closes cleanly instead of being cut."""
+        self._commands.put(("end",))
+
     def close(self, timeout: float = 30.0) -> None:
         """Abort what is left and stop the thread."""
         self._commands.put(("stop",))
@@ -86,6 +91,8 @@ class EngineLoop:
             for rid in ids:
                 self._listeners[rid] = (loop, box)
             done.set_result((ids, box))
+        elif command[0] == "end":
+            self._end_all("abort", None)
         elif command[0] == "abort":
             rid = command[1]
             if self._listeners.pop(rid, None) is not None:
