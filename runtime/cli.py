@@ -223,6 +223,9 @@ def _join_ranks(tp: int, device: str | None) -> str | None:
 
 
 def _check_expert_flags(args) -> None:
+    if args.expert_parallel and args.tensor_parallel == 1:
+        raise ValueError("--expert-parallel splits experts over the tensor-parallel ranks: add --tensor-parallel N "
+                         "(N > 1)")
     if (args.expert_placement or args.save_expert_placement) and not args.expert_parallel:
         raise ValueError("--expert-placement and --save-expert-placement place experts over ranks: add "
                          "--expert-parallel (and --tensor-parallel N)")

@@ -406,6 +406,8 @@ def test_flags_that_would_do_nothing_are_refused(run_cli):
     """A flag that only sizes what another flag does is refused without it, in one line naming the missing flag."""
     code, out, err = run_cli("generate", "llama", "--prompt-ids", "5,6", "--redundant-experts", "2")
     assert code == 2 and not out and "add --save-expert-placement" in err, err
+    code, out, err = run_cli("generate", "mixtral", "--prompt-ids", "5,6", "--expert-parallel")
+    assert code == 2 and not out and "add --tensor-parallel N" in err and "building" not in err, err
 
 
 def test_an_engine_directory_given_to_export_or_explain_is_named_as_one(tmp_path, run_cli):

@@ -117,6 +117,8 @@ def test_cli_export_and_generate(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "exporting graph 1" in err and "wrote" in err
     manifest = json.loads((out / "manifest.json").read_text())
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir() if f.is_file()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as every other file
     assert manifest["engine"]["prefill_note"] is None and manifest["engine"]["max_prefill_tokens"] < 40
     prompt = list(range(5, 45))
     assert main(["generate", str(out), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "5",

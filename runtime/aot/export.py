@@ -129,6 +129,10 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
         tokenizer.save_pretrained(out)
     save_file({k: v.detach().contiguous().clone() for k, v in cap.weights.items()}, str(out / "weights.safetensors"))
     save_file({k: v.contiguous() for k, v in cap.consts.items()}, str(out / "consts.safetensors"))
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("weights.safetensors", "consts.safetensors"):  # safetensors writes 0600; as every other file
+        os.chmod(out / name, 0o666 & ~umask)
     programs = []
     total = cap.count
     for key in sorted(cap.programs):

@@ -199,9 +199,14 @@ def chat_request(body: dict, tokenizer, max_model_len: int | None) -> Request:
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise APIError("the chat template made an empty prompt", "messages")
-    asked = _max_tokens(body, "max_completion_tokens", None) or _max_tokens(body, "max_tokens", None)
+    asked, legacy = _max_tokens(body, "max_completion_tokens", None), _max_tokens(body, "max_tokens", None)
+    asked = legacy if asked is None else asked  # max_completion_tokens first, as OpenAI; both are checked
+    if max_model_len and len(ids) >= max_model_len:
+        raise APIError(f"the messages make a prompt of {len(ids)} tokens (chat template applied); the model's maximum "
+                       f"length is {max_model_len} tokens, prompt and output together: send shorter messages",
+                       "messages")
     if asked is None:  # as OpenAI: up to the model's length (16 tokens where the config gives none)
-        asked = max(1, max_model_len - len(ids)) if max_model_len else 16
+        asked = max_model_len - len(ids) if max_model_len else 16
     return Request([ids], _params(body, asked), bool(body.get("stream")), _stream_options(body), _stop(body), True)
 
 
