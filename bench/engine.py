@@ -335,7 +335,7 @@ def _set_varlen_config(spec: str) -> None:
     if spec.lstrip().startswith("{"):
         cfg = json.loads(spec)
     else:
-        rows = [r for r in json.load(open(spec))["rows"] if r["case"].startswith("prefill")]
+        rows = [r for r in json.loads(Path(spec).read_text())["rows"] if r["case"].startswith("prefill")]
         cfg = min(rows, key=lambda r: r["ms"])["config"]
     log("engine", f"varlen attention launch: {cfg}")
     triton_varlen.launch_config = lambda *a: dict(cfg)

@@ -126,7 +126,7 @@ def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_pt
 def launch_config(n_tok: int, num_seqs: int, dk_p: int, dv_p: int) -> dict:
     """The launch for a step of ``n_tok`` queries over ``num_seqs`` sequences, head widths padded to ``dk_p`` /
     ``dv_p``: rows (queries x heads per tile), block_n (keys per block), num_warps, num_stages. Each branch is the
-    fastest config of bench/varlen.py's sweep on its step kind (H100, bf16): decodes (under 4 queries a sequence),
+    fastest config of bench/varlen.py's sweep on its step kind: decodes (under 4 queries a sequence),
     long prefill chunks (128 or more) and the steps between (decodes beside a few long chunks); heads wider than 128
     (MLA's expanded keys) take 8 warps for their larger tiles."""
     per_seq = n_tok / max(num_seqs, 1)
