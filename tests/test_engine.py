@@ -249,22 +249,29 @@ def test_packed_state_mixers_leave_other_callers_alone(name):
 
 @pytest.mark.parametrize("name", ["mamba2", "qwen3_next"])
 def test_packed_state_chunks_of_prompts_admitted_together_share_a_call(name, monkeypatch):
-    """Prompts of one length admitted together lie back to back on consecutive state rows: their chunks run as one
-    batch through the mixer (``mixer.chunk_runs``), fresh and continuing, beside a decoding request; greedy tokens
-    equal HF's."""
+    """Chunks of prompts admitted together share one call of the mixer, fresh and continuing, beside a decoding
+    request: Mamba2's op (``mixer.chunk_groups``) takes chunks of several lengths as right-padded rows; HF's forward
+    (``mixer.chunk_runs``) takes chunks of one length lying back to back on consecutive state rows. Greedy tokens equal
+    HF's."""
     from hybrid_kernels.ssm import mixer
     from runtime.engine import packed_states
-    runs = []
-    real = mixer.chunk_runs
-    spy = lambda seqs: runs.append(real(seqs)) or runs[-1]  # noqa: E731
-    monkeypatch.setattr(mixer, "chunk_runs", spy)
-    monkeypatch.setattr(packed_states, "chunk_runs", spy)
-    prompts = [[3, 4, 5]] + [list(range(10 * i, 10 * i + 9)) for i in range(1, 4)]
+    calls = []
+    if name == "mamba2":
+        real_groups = mixer.chunk_groups
+        monkeypatch.setattr(mixer, "chunk_groups", lambda seqs, pad: calls.append(
+            [(len(g.rows), g.continues, g.padded) for g in real_groups(seqs, pad)]) or real_groups(seqs, pad))
+        lengths = [9, 7, 8]  # first chunks of 5 (one run), then 4, 2 and 3 tokens (one padded call)
+    else:
+        real_runs = mixer.chunk_runs
+        monkeypatch.setattr(packed_states, "chunk_runs", lambda seqs: calls.append(
+            [(n, n * cont, False) for _, _, _, cont, n in real_runs(seqs)]) or real_runs(seqs))
+        lengths = [9, 9, 9]  # chunks of 5, then the rests of 4
+    prompts = [[3, 4, 5]] + [list(range(10 * i, 10 * i + n)) for i, n in enumerate(lengths, 1)]
     want = [hf_greedy(name, p, 4) for p in prompts]
     engine = Engine(zoo.build(name), compile=None, block_size=4, max_prefill_tokens=5, max_num_batched_tokens=16)
     assert _staggered(engine, prompts, 4) == want
-    assert any(n == 3 and not cont for run in runs for _, _, _, cont, n in run), runs  # three fresh 5-token chunks
-    assert any(n == 3 and cont for run in runs for _, _, _, cont, n in run), runs  # then their 4-token rests
+    assert (3, 0, False) in sum(calls, []), calls  # three fresh 5-token chunks
+    assert (3, 3, name == "mamba2") in sum(calls, []), calls  # then their rests, continuing
 
 
 def test_packed_generic_mixer_state_writes_survive_functionalization():

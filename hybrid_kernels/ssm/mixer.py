@@ -14,6 +14,7 @@ norm as the out projection's prologue (``hybrid::gated_norm_linear``) where the 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -164,27 +165,50 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
       prompt; the row is overwritten);
     - ``dec_tokens`` / ``dec_rows`` (device int64 / int32, or None): single tokens that continue a cached state, in
       HF's decode form (dt not clamped), all in one conv update and one state update.
-    The in and out projections and the gated norm run once over all N tokens; the conv and the scan once per run of
-    prefill chunks that can share a batched call (``chunk_runs``: prompts admitted together)."""
+    The in and out projections and the gated norm run once over all N tokens; the conv and the scan once per group of
+    prefill chunks (``chunk_groups``): chunks of several lengths share one call as right-padded rows."""
     heads, d_inner, conv_dim, nst = _mamba2_dims(w, head_dim, groups)
     conv_w = w.conv_w.reshape(conv_dim, -1)
     proj = _mamba2_proj(hidden, None, w, in_mult)[0]  # [N, d_inner + C + H] (multipliers may be [1, 1, width])
     gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
     y = torch.empty(hidden.shape[1], d_inner, dtype=proj.dtype, device=proj.device)
     A = -torch.exp(w.A_log.float())
-    for first, count, row, continues, n in chunk_runs(seqs):  # n sequences of `count` tokens on rows row..row+n-1
-        toks, rows = slice(first, first + n * count), slice(row, row + n)
-        xs, conv_state = torch.ops.hybrid.causal_conv1d(
-            xbc[toks].view(n, count, conv_dim).transpose(1, 2), conv_w, w.conv_b,
-            conv_buf[rows] if continues else None, "silu", conv_buf.shape[-1])
-        conv_buf[rows].copy_(conv_state)
+    width = conv_buf.shape[-1]
+    for grp in chunk_groups(seqs, pad=dt_min <= 0.0):
+        n, length = len(grp.rows), grp.length
+        if grp.run is not None:  # back to back on tokens and rows: views, no copies
+            toks, rows = slice(grp.run, grp.run + n * length), slice(grp.rows[0], grp.rows[0] + n)
+            xs_in, dts = xbc[toks].view(n, length, conv_dim), dt[toks].view(n, length, heads)
+            conv_init, ssm_init = (conv_buf[rows], ssm_buf[rows]) if grp.continues == n else (None, None)
+        else:
+            plan = grp.device_plan(proj.device, width)
+            xs_in = xbc.index_select(0, plan.src).view(n, length, conv_dim)
+            dts = dt.index_select(0, plan.src).view(n, length, heads)
+            if plan.pad is not None:  # dt -> softplus(-1e4) = 0 on padding: no decay, no input, the state stands
+                dts = dts.masked_fill(plan.pad, -1e4)
+            conv_init = ssm_init = None
+            if grp.continues:  # fresh rows start from zero
+                conv_init = conv_buf.index_select(0, plan.rows) * plan.cont.to(conv_buf.dtype)[:, None, None]
+                ssm_init = ssm_buf.index_select(0, plan.rows) * plan.cont.to(ssm_buf.dtype)[:, None, None, None]
+        xs, conv_state = torch.ops.hybrid.causal_conv1d(xs_in.transpose(1, 2), conv_w, w.conv_b, conv_init, "silu",
+                                                        width)
+        if grp.padded:  # the state is the W inputs before each row's own end, not before the padding's
+            before = conv_init if conv_init is not None else xs_in.new_zeros(n, conv_dim, width)
+            seen = torch.cat([before.to(xs_in.dtype), xs_in.transpose(1, 2)], dim=-1)
+            conv_state = seen.gather(-1, plan.tail.expand(n, conv_dim, width))
         x, b, c = torch.split(xs.transpose(1, 2), [d_inner, groups * nst, groups * nst], dim=-1)
         ys, ssm_state = torch.ops.hybrid.ssd_scan(
-            x.reshape(n, count, heads, head_dim), dt[toks].view(n, count, heads), A, b.reshape(n, count, groups, nst),
-            c.reshape(n, count, groups, nst), chunk_size, w.D, None, w.dt_bias, True, dt_min, dt_max,
-            ssm_buf[rows] if continues else None)
-        ssm_buf[rows].copy_(ssm_state)
-        y[toks] = ys.reshape(n * count, d_inner)
+            x.reshape(n, length, heads, head_dim), dts, A, b.reshape(n, length, groups, nst),
+            c.reshape(n, length, groups, nst), chunk_size, w.D, None, w.dt_bias, True, dt_min, dt_max, ssm_init)
+        ys = ys.reshape(n * length, d_inner)
+        if grp.run is not None:
+            conv_buf[rows].copy_(conv_state)
+            ssm_buf[rows].copy_(ssm_state)
+            y[toks] = ys
+        else:
+            conv_buf.index_copy_(0, plan.rows, conv_state.to(conv_buf.dtype))
+            ssm_buf.index_copy_(0, plan.rows, ssm_state.to(ssm_buf.dtype))
+            y.index_copy_(0, plan.dst, ys if plan.keep is None else ys.index_select(0, plan.keep))
     if dec_tokens is not None:
         nd = dec_tokens.shape[0]
         xd = torch.ops.hybrid.causal_conv1d_update(xbc.index_select(0, dec_tokens), conv_buf, conv_w, w.conv_b, "silu",
@@ -212,3 +236,87 @@ def chunk_runs(seqs: Tensor) -> list[tuple[int, int, int, int, int]]:
                 continue
         runs.append([first, count, row, continues, 1])
     return [tuple(r) for r in runs]
+
+
+#: padding a group of prefill chunks may carry: at most this fraction of its tokens, or PAD_FREE tokens, whichever is more
+PAD_SLACK, PAD_FREE = 0.5, 512
+
+
+class _DevicePlan:
+    """A group's index tensors on one device: ``src`` [n * L] token of each padded slot (a padding slot repeats its
+    row's first token), ``pad`` [n, L, 1] bool (None: no padding), ``rows`` state rows, ``cont`` [n] 1.0 where the
+    row continues, ``dst`` the real tokens and ``keep`` their slots among the n * L (None: all of them), ``tail``
+    [n, 1, W] each row's last W inputs within (initial state ++ row)."""
+
+    def __init__(self, grp: "ChunkGroup", device: torch.device, width: int):
+        n, length = len(grp.rows), grp.length
+        src, keep, dst, tail = [], [], [], []
+        for i, (first, count) in enumerate(zip(grp.firsts, grp.counts)):
+            src += list(range(first, first + count)) + [first] * (length - count)
+            keep += range(i * length, i * length + count)
+            dst += range(first, first + count)
+            tail.append(list(range(count, count + width)))
+        as_long = dict(dtype=torch.long, device=device)
+        self.src, self.dst = torch.tensor(src, **as_long), torch.tensor(dst, **as_long)
+        self.rows = torch.tensor(grp.rows, **as_long)
+        self.cont = torch.tensor(grp.cont, dtype=torch.float32, device=device)
+        self.keep = None if not grp.padded else torch.tensor(keep, **as_long)
+        self.pad = None if not grp.padded else (torch.arange(length, device=device)[None, :]
+                                                 >= torch.tensor(grp.counts, device=device)[:, None])[..., None]
+        self.tail = torch.tensor(tail, **as_long)[:, None, :]
+
+
+class ChunkGroup:
+    """Prefill chunks that one conv + scan call takes as n rows of ``length`` tokens: ``run`` the first token where
+    they lie back to back on the token axis with equal lengths on consecutive state rows (views suffice), else None
+    (gathered, right-padded where lengths differ)."""
+
+    def __init__(self, chunks: list[tuple[int, int, int, int]]):
+        self.firsts = [c[0] for c in chunks]
+        self.counts = [c[1] for c in chunks]
+        self.rows = [c[2] for c in chunks]
+        self.cont = [float(c[3]) for c in chunks]
+        self.continues = sum(c[3] for c in chunks)
+        self.length = max(self.counts)
+        self.padded = min(self.counts) != self.length
+        n, f0, r0 = len(chunks), self.firsts[0], self.rows[0]
+        back_to_back = not self.padded and self.continues in (0, n) and all(
+            f == f0 + i * self.length and r == r0 + i for i, (f, r) in enumerate(zip(self.firsts, self.rows)))
+        self.run = f0 if back_to_back else None
+        self._plans: dict = {}
+
+    def device_plan(self, device: torch.device, width: int) -> _DevicePlan:
+        key = (str(device), width)
+        if key not in self._plans:
+            self._plans[key] = _DevicePlan(self, device, width)
+        return self._plans[key]
+
+
+def chunk_groups(seqs: Tensor, pad: bool) -> list[ChunkGroup]:
+    """The prefill chunks of a packed step's map (host [S, 4]: first token, count, state row, continues) in groups that
+    one batched conv + scan call takes. ``pad`` (exact only where dt is not clamped from below: a padded slot's dt is
+    0): chunks longest first, each group growing while its padding stays within PAD_SLACK of its tokens or PAD_FREE
+    tokens; else chunks of one length together. Groups are cached by the map, since every layer of a step reads the
+    same one."""
+    return _groups(tuple(map(tuple, seqs.tolist())), pad)
+
+
+@functools.lru_cache(maxsize=16)
+def _groups(chunks: tuple[tuple[int, int, int, int], ...], pad: bool) -> list[ChunkGroup]:
+    if not pad:
+        by_len: dict[int, list] = {}
+        for c in chunks:
+            by_len.setdefault(c[1], []).append(c)
+        return [ChunkGroup(g) for g in by_len.values()]
+    groups: list[list] = []
+    for c in sorted(chunks, key=lambda c: -c[1]):
+        if groups:
+            g = groups[-1]
+            real = sum(x[1] for x in g) + c[1]
+            if g[0][1] * (len(g) + 1) - real <= max(PAD_SLACK * real, PAD_FREE):
+                g.append(c)
+                continue
+        groups.append([c])
+    for g in groups:  # back to back where they were (prompts admitted together): views instead of gathers
+        g.sort(key=lambda c: c[0])
+    return [ChunkGroup(g) for g in groups]

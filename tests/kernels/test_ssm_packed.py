@@ -1,7 +1,8 @@
 """hybrid::mamba2_mixer_packed (the engine's packed steps) against the per-sequence mixer ops it stands for: a fresh
 prompt is ``hybrid::mamba2_mixer``, a chunk continuing a cached sequence ``hybrid::mamba2_mixer_chunk``, a single
 token continuing one ``hybrid::mamba2_mixer_step``. Outputs and every state row, on rows out of order, a fresh
-1-token prompt, chunks straddling SSD chunk boundaries, with and without the gated norm."""
+1-token prompt, chunks straddling SSD chunk boundaries, with and without the gated norm; chunks of several lengths
+as one call of right-padded rows (dt not clamped), or one call per length (dt clamped)."""
 import pytest
 import torch
 
@@ -22,14 +23,15 @@ def close(a, b, tol):
     assert err <= tol, f"max error {err:.3e} (tol {tol:.0e})"
 
 
-# (tokens, state row, cached before the step: 0 = a fresh prompt); rows 5-6 and 7-8 hold runs of chunks that share one
-# batched call (mixer.chunk_runs)
+# (tokens, state row, cached before the step: 0 = a fresh prompt); rows 5-6 and 7-8 hold chunks back to back that one
+# call takes as views
 SEQS = [(1, 3, 6), (1, 0, 9), (6, 5, 0), (6, 6, 0), (5, 1, 7), (1, 4, 0), (4, 7, 3), (4, 8, 5), (9, 2, 0), (1, 9, 2)]
 
 
+@pytest.mark.parametrize("clamp", [True, False], ids=["dt_clamped", "dt_free"])
 @pytest.mark.parametrize("norm", [True, False], ids=["gated_norm", "no_norm"])
 @pytest.mark.parametrize("triton_path", [False, True], ids=["reference", "triton"])
-def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, monkeypatch):
+def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, clamp, monkeypatch):
     if triton_path and DEV == "cpu":
         monkeypatch.setenv("HYBRID_TRITON_ON_CPU", "1")
     g = torch.Generator().manual_seed(11 + norm)
@@ -43,7 +45,8 @@ def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, monkeypatc
                       # Falcon-H1's mup_vector: per-channel multipliers of the in projection, kept [1, 1, width]
                       proj_mult=None if norm else 1 + 0.1 * rnd(1, 1, d_inner + C + H, g=g))
     # a time-step limit that clamps: the chunked form clamps dt, the decode form (HF's) does not
-    spec = Mamba2Spec(head_dim=P, groups=G, chunk_size=4, eps=1e-5, norm_group=d_inner // 2, dt_min=0.05, dt_max=0.9)
+    limit = dict(dt_min=0.05, dt_max=0.9) if clamp else {}
+    spec = Mamba2Spec(head_dim=P, groups=G, chunk_size=4, eps=1e-5, norm_group=d_inner // 2, **limit)
     conv_buf, ssm_buf = rnd(R, C, K, g=g), rnd(R, H, P, N, g=g)
     hidden = rnd(1, sum(t for t, _, _ in SEQS), Hd, g=g)
 
@@ -69,8 +72,12 @@ def test_mamba2_packed_equals_the_per_sequence_ops(norm, triton_path, monkeypatc
     got = torch.ops.hybrid.mamba2_mixer_packed(*spec.packed_args(
         hidden, w, conv_buf, ssm_buf, torch.tensor(table, dtype=torch.long),
         torch.tensor(dec_tokens, device=DEV), torch.tensor(dec_rows, dtype=torch.int32, device=DEV)))
-    from hybrid_kernels.ssm.mixer import chunk_runs
-    assert [r[4] for r in chunk_runs(torch.tensor(table))] == [2, 1, 1, 2, 1]
+    from hybrid_kernels.ssm.mixer import chunk_groups
+    groups = chunk_groups(torch.tensor(table), pad=not clamp)
+    if clamp:  # one call per length, each as views (the pairs lie back to back)
+        assert sorted((len(g.rows), g.run is not None) for g in groups) == [(1, True)] * 3 + [(2, True)] * 2
+    else:  # 35 tokens as 7 rows of 9: one call
+        assert [(len(g.rows), g.length, g.padded) for g in groups] == [(7, 9, True)]
     close(got, torch.cat(want, dim=1), 1e-4)
     close(conv_buf, want_conv, 1e-5)
     close(ssm_buf, want_ssm, 1e-4)
@@ -100,3 +107,23 @@ def test_mamba2_packed_without_decodes_or_chunks():
     close(got, want, 1e-4)
     close(conv_buf[1:2], conv, 1e-5)
     close(ssm_buf[1:2], ssm, 1e-4)
+
+
+def test_chunk_groups_bound_the_padding(monkeypatch):
+    """Longest first, a group grows while its padding stays within PAD_SLACK of its tokens (PAD_FREE 0 here); every
+    chunk lands in exactly one group; without padding, one group per length."""
+    from hybrid_kernels.ssm import mixer
+    monkeypatch.setattr(mixer, "PAD_FREE", 0)
+    mixer._groups.cache_clear()
+    counts = [9, 100, 8, 90, 10, 100]
+    table, first = [], 0
+    for row, count in enumerate(counts):
+        table.append([first, count, row, row % 2])
+        first += count
+    groups = mixer.chunk_groups(torch.tensor(table), pad=True)
+    # 100, 100, 90, 10 (pad 110 <= 150), then 9, 8
+    assert [sorted(g.counts, reverse=True) for g in groups] == [[100, 100, 90, 10], [9, 8]]
+    assert sorted(f for g in groups for f in g.firsts) == [t[0] for t in table]
+    assert [g.padded for g in groups] == [True, True]
+    assert sorted(g.length for g in mixer.chunk_groups(torch.tensor(table), pad=False)) == [8, 9, 10, 90, 100]
+    mixer._groups.cache_clear()
