@@ -87,6 +87,23 @@ def test_streaming_sampling_and_batching_from_an_engine_directory(exported):
     assert sorted(map(tuple, by_request.values())) == sorted(tuple(o.token_ids) for o in again)
 
 
+def test_engine_directory_prefills_several_prompts_a_step(exported):
+    """A model without state layers is exported with programs for padded prefills of several prompts: prompts arriving
+    together share prefill steps from the directory as from the model directory, with HF's tokens. A model with state
+    layers prefills one prompt a step from its directory, and says so."""
+    engine = Engine.from_engine(exported("llama"))
+    assert engine.prefill_batch_note is None and engine.scheduler.max_prefill_seqs > 1
+    sizes, launch = [], engine.runner.launch
+    engine.runner.launch = lambda step, ahead=None: (sizes.append(len(step.seqs)) if step.kind != "decode" else None,
+                                                     launch(step, ahead))[1]
+    prompts = PROMPTS + [[4] * 9, list(range(30, 42))]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert max(sizes) >= 2, sizes
+    assert [o.token_ids for o in outs] == [hf_greedy("llama", p, 5) for p in prompts]
+    mamba = Engine.from_engine(exported("mamba"))
+    assert mamba.scheduler.max_prefill_seqs == 1 and "one prompt per prefill step" in mamba.prefill_batch_note
+
+
 def test_load_in_a_process_that_cannot_import_the_modeling_code(exported):
     path = exported("llama")
     script = textwrap.dedent(f"""

@@ -40,15 +40,15 @@ def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[lis
         for spec, _ in specs:
             q_hi = spec.dims.get("ids", [[None, None]] * 2)[1][1]
             continuing = "states:" in spec.key and not spec.key.startswith(("decode", "step"))
+            several = "/bN/" in spec.key  # a program for several sequences: two prompts together
             if q_hi is not None and q_hi < chunk:
                 n = q_hi + 1 + (chunk if continuing else 0)
                 if n < max_len - 3:
-                    runs.append(([prompt_ids(cap.engine, n, 11)], 2))
+                    runs.append(([prompt_ids(cap.engine, n, 11)] + [prompt_ids(cap.engine, n, 14)] * several, 2))
             for name, per_key in (("block_table", block_size), ("gather_idx", 1)):
                 hi = spec.dims.get(name, [[None, None]] * 2)[1][1]
                 if hi is not None and (hi + 1) * per_key < max_len - 3:
                     n = (hi + 1) * per_key
-                    several = "/bN/" in spec.key  # a program for several sequences: two decode together
                     runs.append(([prompt_ids(cap.engine, n, 12)] + [prompt_ids(cap.engine, n, 13)] * several, 4))
     return runs
 
@@ -98,7 +98,8 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
     engine = Engine(model, tokenizer=tokenizer, compile=None, cache_memory=64 << 20, block_size=block_size,
                     max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda",
                     packed_steps=False)  # a directory's programs are the padded steps' (packed steps: no program)
-    engine.scheduler.max_prefill_seqs = 1  # a loaded directory prefills one prompt per step: its programs take one
+    if engine.cache.states:  # one prompt per prefill step: a state layer's scan branches on each row's length and
+        engine.scheduler.max_prefill_seqs = 1  # padding, so batched prefills would need a program per combination
     cap = Capture(engine, compile_options, progress).install()
     runs = call_kinds(engine, block_size, chunk, max_seq_len)
     for _ in range(4):  # the workload, then requests for what its programs left out, while they add programs
@@ -153,6 +154,7 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
     plan = {"specs": [_spec_json(s) for s in engine._layer_specs], "prefill_note": engine.prefill_note,
             "own_attention": engine._own_attention, "block_size": block_size,
             "paged_decode": engine.runner.paged_decode, "latent": engine.runner.paged_latent,
+            "prefill_seqs": "several" if engine.scheduler.max_prefill_seqs > 1 else "one",
             **limits, "model_class": type(model).__name__}
     files = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*"))
              if p.is_file() and p.relative_to(out).parts[0] != TRITON_CACHE}  # Triton checks its own cache

@@ -137,6 +137,8 @@ def call_kinds(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[
     runs = [([p(1, 1)], 3), ([p(5, 2), p(3, 3)], 4), ([p(long, 4)], 2), ([p(long, 5), p(long + 7, 6)], 4)]
     if engine.prefill_note is None and chunk + 3 < max_len - 3:
         runs += [([p(chunk + 3, 7)], 2), ([p(chunk + 1, 8)], 2)]
+        if engine.scheduler.max_prefill_seqs > 1:  # chunks of two prompts together, fresh and then continuing
+            runs += [([p(chunk + 3, 15), p(chunk + 2, 16)], 2)]
     if engine.scheduler.packed and EXPANDED_MIN_QUERIES + 3 <= min(chunk, max_len - 3):
         # a short prompt beside a long one in one packed step: MLA layers attend in both forms (attention.py)
         runs += [([p(5, 9), p(EXPANDED_MIN_QUERIES + 3, 10)], 2)]
