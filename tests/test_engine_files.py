@@ -285,6 +285,23 @@ def test_a_compiler_that_links_libstdcxx_statically_is_refused(tmp_path, monkeyp
     assert choose_compiler() == shutil.which("g++")
 
 
+def test_programs_that_branch_by_guards_run_exported_not_packaged():
+    """Two programs of one kind whose size ranges overlap (HF's SSD scan on whole chunks or a padded one) are told
+    apart only by the exported programs' guards, which an AOTInductor package does not keep (a package of one branch
+    ran prompts of the other and gave zeros): those run as exported programs; programs of disjoint ranges or of a
+    kind of their own keep their packages."""
+    from runtime.engine.exported import ProgramSpec, branches
+
+    def spec(key, q):
+        return ProgramSpec(key, "", [], 0, {}, {"ids": [[1, 1], q]}, package="p")
+    whole, padded = spec("prefill/b1/qN/fresh", [9, None]), spec("prefill/b1/qN/fresh", [9, None])
+    short, step = spec("prefill/b1/qN/fresh", [2, 8]), spec("step/b1/q1/fresh", [1, 1])
+    specs = [whole, padded, short, step]
+    assert branches(whole, specs) and branches(padded, specs)
+    assert not branches(short, specs) and not branches(step, specs)
+    assert branches(short, specs + [spec("prefill/b1/qN/fresh", [2, 8])])
+
+
 def test_infinite_bounds_become_finite_in_packages():
     """AOTInductor writes a custom op's float arguments as JSON numbers: the MoE experts' limit of inf (no clamp)
     goes into the package as float32's largest value, which clamps no finite value either."""

@@ -279,6 +279,21 @@ def check_manifest(path: Path, manifest: dict, device: torch.device) -> None:
 ROUTE_ENV = "HYBRID_ENGINE_ROUTE"
 
 
+def branches(spec: ProgramSpec, specs: list[ProgramSpec]) -> bool:
+    """Whether another program of ``spec``'s kind takes some of the same sizes: the model branches there in a way no
+    size range shows (a prompt of whole SSD chunks or not), and only the exported programs' guards tell which one
+    runs a call. An AOTInductor package keeps no such guard and would run any call its ranges take, so these calls
+    go to the exported programs."""
+    def overlap(a: ProgramSpec, b: ProgramSpec) -> bool:
+        for name in a.dims.keys() & b.dims.keys():
+            for (lo1, hi1), (lo2, hi2) in zip(a.dims[name], b.dims[name]):
+                if (hi1 is not None and lo2 is not None and hi1 < lo2) or (hi2 is not None and lo1 is not None
+                                                                           and hi2 < lo1):
+                    return False
+        return True
+    return any(other is not spec and other.key == spec.key and overlap(spec, other) for other in specs)
+
+
 def _load_package(path: Path, spec: ProgramSpec):
     """The AOTInductor package of ``spec``, or None (with a warning naming it) when it does not load here: its
     exported program then runs the calls, exactly and slower."""
@@ -361,7 +376,7 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
     programs = {}
     packaged = os.environ.get(ROUTE_ENV, "packaged") != "exported"
     for spec in specs:
-        program = _load_package(path, spec) if packaged and spec.package else None
+        program = _load_package(path, spec) if packaged and spec.package and not branches(spec, specs) else None
         if program is None:
             try:
                 program = torch.export.load(str(path / spec.file)).module()
