@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -580,10 +581,23 @@ def _message(e: BaseException) -> str:
     return " ".join(str(msg).split()) or type(e).__name__
 
 
+def _attach_values(argv: list[str]) -> list[str]:
+    """``--prompt-ids -1,5`` as ``--prompt-ids=-1,5``: argparse reads a value that starts with a dash and is not one
+    number as a flag, and would say the flag has no argument instead of what is wrong with the ids."""
+    out = []
+    for a in argv:
+        if out and out[-1] == "--prompt-ids" and re.match(r"-\d", a):
+            out[-1] = f"--prompt-ids={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = _attach_values(list(sys.argv[1:] if argv is None else argv))
         args = build_parser().parse_args(argv)
-        args.argv = list(sys.argv[1:] if argv is None else argv)  # what --tensor-parallel relaunches on each rank
+        args.argv = argv  # what --tensor-parallel relaunches on each rank
     except SystemExit as e:  # --help (0), or a bad flag, already said in one line (2)
         return e.code if isinstance(e.code, int) else 2
     debug = _debug(args)

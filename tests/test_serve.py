@@ -241,6 +241,9 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, r"messages\[0\] \(user\) has no 'content'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    ("/v1/completions", {"prompt": "\ud800"}, 400, "prompt is not valid Unicode text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, 400,
+     r"messages\[0\]\.content is not valid Unicode text \(character 1"),
     ("/v1/nothing", {}, 404, "POST /v1/nothing: Not Found"),
 ])
 def test_bad_requests_are_json_errors(server, path, body, status, match):

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -127,7 +128,9 @@ def build_package(ep, example: list, path: Path, cxx: str) -> None:
     cache in place)."""
     import torch._inductor
     try:
-        with torch.no_grad():
+        # torch's own pytree deprecation notice, raised inside its compile (not about this package)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated")
             torch._inductor.aoti_compile_and_package(finite_bounds(ep), package_path=str(path),
                                                      inductor_configs={"cpp.cxx": (None, cxx)})
     except Exception as e:  # noqa: BLE001

@@ -93,6 +93,21 @@ def _exported_option(name: str, value, plan: dict):
     return plan[name]
 
 
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory free for the cache on ``device``: the GPU's free memory, or the host's MemAvailable (None where
+    unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Engine:
     def __init__(self, model, *, tokenizer=None, cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int | None = None, max_prefill_tokens: int = 512, max_num_batched_tokens: int | None = None,
@@ -434,6 +449,11 @@ class Engine:
                 budget = int(free * 0.9)
             else:
                 budget = DEFAULT_CPU_BUDGET
+        else:
+            free = _free_bytes(self.device)
+            if free is not None and budget > free:
+                raise ValueError(f"cache_memory of {budget >> 20} MB is more than the {free >> 20} MB free on "
+                                 f"{self.device}: lower it (hybrid: --cache-mb), or leave it unset for the default")
         state_bytes = state_rows * sum(s.bytes_per_state_row() for s in specs)
         token_bytes = sum(s.bytes_per_token(self.dtype) for s in specs)
         if not token_bytes:

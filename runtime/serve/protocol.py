@@ -59,7 +59,27 @@ def parse_json(raw: bytes) -> dict:
         raise APIError(f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_text(body, "")
     return body
+
+
+def _check_text(value, where: str) -> None:
+    """Every string of the body is text a tokenizer can take: JSON's \\u escapes can spell a lone UTF-16 surrogate,
+    which is no character (and which a tokenizer rejects with a TypeError)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            field = where.split(".")[0].split("[")[0] or None
+            raise APIError(f"{where or 'a string'} is not valid Unicode text (character {e.start}: a lone UTF-16 "
+                           "surrogate escape)", field) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}" if where else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
 
 
 def _check_fields(body: dict, allowed: dict) -> None:
