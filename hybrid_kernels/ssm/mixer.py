@@ -171,10 +171,14 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
     conv_w = w.conv_w.reshape(conv_dim, -1)
     proj = _mamba2_proj(hidden, None, w, in_mult)[0]  # [N, d_inner + C + H] (multipliers may be [1, 1, width])
     gate, xbc, dt = _mamba2_split(proj, d_inner, conv_dim)
-    y = torch.empty(hidden.shape[1], d_inner, dtype=proj.dtype, device=proj.device)
     A = -torch.exp(w.A_log.float())
     width = conv_buf.shape[-1]
-    for grp in chunk_groups(seqs, pad=dt_min <= 0.0):
+    sets = chunk_groups(seqs, pad=dt_min <= 0.0)
+    # one run of chunks over every token (prompts arriving together): its output is the step's, no copy into place
+    whole = dec_tokens is None and len(sets) == 1 and sets[0].run == 0 and \
+        len(sets[0].rows) * sets[0].length == hidden.shape[1]
+    y = None if whole else torch.empty(hidden.shape[1], d_inner, dtype=proj.dtype, device=proj.device)
+    for grp in sets:
         n, length = len(grp.rows), grp.length
         if grp.run is not None:  # back to back on tokens and rows: views, no copies
             toks, rows = slice(grp.run, grp.run + n * length), slice(grp.rows[0], grp.rows[0] + n)
@@ -204,7 +208,10 @@ def mamba2_packed(hidden: Tensor, w: Mamba2Weights, head_dim: int, groups: int, 
         if grp.run is not None:
             conv_buf[rows].copy_(conv_state)
             ssm_buf[rows].copy_(ssm_state)
-            y[toks] = ys
+            if whole:
+                y = ys
+            else:
+                y[toks] = ys
         else:
             conv_buf.index_copy_(0, plan.rows, conv_state.to(conv_buf.dtype))
             ssm_buf.index_copy_(0, plan.rows, ssm_state.to(ssm_buf.dtype))
