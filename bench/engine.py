@@ -5,8 +5,10 @@
     python bench/engine.py --smoke                                         # tiny zoo models, CPU
 
 Workload (the runtime issue's): B requests of ``--prompt`` random tokens, ``--output`` new tokens each,
-greedy, EOS ignored. Per variant: time to first token (all B prefills), then time per output token
-(TPOT: decode wall time / decode steps) and decode throughput (B / TPOT). HF eager is measured on
+greedy, EOS ignored. Per variant: time to first token (until every one of the B requests has its first token,
+whatever the steps: HF's batched prefill, the engine's padded prefills with decode steps between them, or packed
+steps mixing the first requests' decodes with later prompts' chunks), then time per output token (TPOT: wall time
+of the steps after that / their number) and decode throughput (B / TPOT). HF eager is measured on
 ``--eager-output`` new tokens (it is slow; per-token cost barely moves over that range), the others on
 ``--output``. Compiled variants are warmed up first (compilation and CUDA-graph recording are not timed).
 
@@ -137,23 +139,30 @@ def hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool) -> 
 
 
 def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, int, list, float]:
-    """(prefill s, decode s, decode steps, generated ids, decode s the host was busy, i.e. not waiting for the
-    device); every step is timed (a step ends on the host)."""
+    """(seconds until every request has its first token, seconds after that, steps after that, generated ids,
+    seconds of those steps the host was busy, i.e. not waiting for the device). The first figure is HF generate's
+    TTFT of a batch whatever the engine's steps were (padded prefills with decode steps between them, or packed
+    steps that mix the first requests' decodes with later prompts' chunks); every step is timed (a step ends on the
+    host)."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts.tolist()]
-    spent = dict(prefill=0.0, decode=0.0, wait=0.0)
+    first = None  # seconds until the last request's first token
+    after = wait = 0.0
     steps = 0
+    start = time.perf_counter()
     while engine.has_unfinished():
-        decoded, waited = engine.stats["decode_steps"], engine.runner.wait_s
+        waited = engine.runner.wait_s
         t0 = time.perf_counter()
         engine.step()
-        kind = "decode" if engine.stats["decode_steps"] > decoded else "prefill"
-        spent[kind] += time.perf_counter() - t0
-        if kind == "decode":
-            spent["wait"] += engine.runner.wait_s - waited
-        steps += kind == "decode"
+        t1 = time.perf_counter()
+        if first is not None:
+            after += t1 - t0
+            wait += engine.runner.wait_s - waited
+            steps += 1
+        elif all(engine.output(i).token_ids for i in ids):
+            first = t1 - start
     outs = [engine.output(i).token_ids for i in ids]
-    return spent["prefill"], spent["decode"], steps, outs, spent["decode"] - spent["wait"]
+    return first, after, max(steps, 1), outs, after - wait
 
 
 def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> None:
