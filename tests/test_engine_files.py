@@ -179,8 +179,12 @@ def _flip_byte(path):
     (_edit_manifest(lambda m: m["engine"].update(max_batch="lots")), "malformed engine entry 'max_batch' ('lots')"),
     (_edit_manifest(lambda m: m.update(dtype="torch.bogus")), "malformed dtype ('torch.bogus')"),
     (_edit_manifest(lambda m: m["engine"]["specs"].pop()), "malformed program"),
+    (_edit_manifest(lambda m: m["programs"][0]["inputs"].append(["step", "nope"])),
+     "malformed program programs/0.pt2 (input step 'nope'"),
+    (_edit_manifest(lambda m: m["programs"][0]["inputs"].append(["weight", "nope"])),
+     "programs/0.pt2 reads the weight 'nope', which weights.safetensors does not hold"),
 ], ids=["checksum", "missing", "format", "torch", "device", "manifest", "unlisted", "outside", "plan", "dtype",
-        "layers"])
+        "layers", "step-input", "weight-input"])
 def test_a_directory_that_does_not_fit_is_one_line(exported, tmp_path, capsys, change, message):
     path = _broken(exported, tmp_path, change)
     with pytest.raises(EngineFileError, match=re.escape(message)):

@@ -38,6 +38,9 @@ MANIFEST = "manifest.json"
 #: the Triton kernels compiled at export (a GPU engine): the cache Triton reads at load, unless TRITON_CACHE_DIR is set
 TRITON_CACHE = "triton"
 _STATE = re.compile(r"^(conv|ssm)\.(\d+)$")
+#: the names ``step_tensors`` gives
+_STEP_INPUT = re.compile(r"^(ids|positions|mask(\.\w+)?|hybrid_block_table|hybrid_seq_lens|write_slots|gather_idx|"
+                         r"block_table|seq_lens|(buf|conv|ssm)\.\d+)$")
 
 
 class EngineFileError(ValueError):
@@ -332,6 +335,9 @@ def parse_plan(path: Path, manifest: dict) -> tuple[torch.dtype, list[ProgramSpe
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise malformed(f"layer or program entry ({type(e).__name__}: {e})") from None
     for spec in specs:  # cache tensors are named "<what>.<layer>"
+        for kind, name in spec.inputs:
+            if kind not in ("step", "weight", "const") or (kind == "step" and not _STEP_INPUT.match(name)):
+                raise malformed(f"program {spec.file} (input {kind} {name!r}: no such step tensor or kind)")
         for name in [n for _, n in spec.inputs] + list(spec.states):
             layer = name.rpartition(".")[2]
             if layer.isdigit() and int(layer) >= len(plan["specs"]):
@@ -373,6 +379,13 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
     loaded = load_file(str(path / "weights.safetensors")).items()
     weights = {k: v.to(dev) for k, v in sorted(loaded, key=lambda kv: kv[1].dtype != want)}
     consts = {k: v.to(dev) for k, v in load_file(str(path / "consts.safetensors")).items()}
+    for spec in specs:
+        for kind, name in spec.inputs:
+            held = weights if kind == "weight" else consts if kind == "const" else None
+            if held is not None and name not in held:
+                raise EngineFileError(f"{path / spec.file} reads the {kind} {name!r}, which "
+                                      f"{'weights' if kind == 'weight' else 'consts'}.safetensors does not hold: export "
+                                      "the engine again")
     programs = {}
     packaged = os.environ.get(ROUTE_ENV, "packaged") != "exported"
     for spec in specs:
