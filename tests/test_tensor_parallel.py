@@ -16,6 +16,9 @@ from runtime import zoo
 from runtime.engine import Engine, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: one xdist worker takes the whole module (pytest -n 2 --dist loadgroup), so the ranks' fixture (two processes that
+#: run every family, about two minutes) runs once, not once per worker
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 29)), [40, 41, 42]]
 #: (zoo name, compile mode): hybrid-eager runs hybrid's passes over the sharded modules
 #: Mamba2 mixers split by head: bamba's one head group (B / C replicated, the norm's sum of squares all-reduced),
