@@ -292,7 +292,7 @@ def test_a_compiler_that_links_libstdcxx_statically_is_refused(tmp_path, monkeyp
 def test_programs_that_branch_by_guards_run_exported_not_packaged():
     """Two programs of one kind whose size ranges overlap (HF's SSD scan on whole chunks or a padded one) are told
     apart only by the exported programs' guards, which an AOTInductor package does not keep (a package of one branch
-    ran prompts of the other and gave zeros): those run as exported programs; programs of disjoint ranges or of a
+    would run the other branch's prompts through its own): those run as exported programs; programs of disjoint ranges or of a
     kind of their own keep their packages."""
     from runtime.engine.exported import ProgramSpec, branches
 
