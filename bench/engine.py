@@ -165,8 +165,10 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> t
     return first, after, max(steps, 1), outs, after - wait
 
 
-def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> None:
-    """Where a decode step's wall time goes: host-side (Python, launches) vs GPU kernel time."""
+def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20, shapes: bool = False) -> None:
+    """Where a decode step's wall time goes: host-side (Python, launches) vs GPU kernel time. ``shapes``: the steps
+    run without CUDA graphs (the kernels are the ones the graphs hold: cuBLAS and Triton pick them per call), and
+    the ops' device time is listed per input shape, so two engines' tables show which call of which op differs."""
     from torch.profiler import ProfilerActivity, profile
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     for p in prompts.tolist():
@@ -177,11 +179,13 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> No
         engine.step()
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    graphs, engine.runner.graphs_enabled = engine.runner.graphs_enabled, engine.runner.graphs_enabled and not shapes
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         for _ in range(steps):
             engine.step()
     wall = (time.perf_counter() - t0) / steps * 1e3
+    engine.runner.graphs_enabled = graphs
     while engine.has_unfinished():
         engine.step()
     events = prof.key_averages()
@@ -194,6 +198,13 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20) -> No
     for e in kernels:
         per_step = e.self_device_time_total / steps
         print(f"{per_step:8.1f} {e.count / steps:10.1f} {e.self_device_time_total / e.count:8.2f}  {e.key[:90]}")
+    if shapes:
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.device_time_total > 0 and e.key.startswith(("aten::", "hybrid::"))]
+        print(f"{'us/step':>8} {'calls/step':>10} {'us/call':>8}  op and input shapes (without CUDA graphs)")
+        for e in sorted(ops, key=lambda e: -e.device_time_total)[:40]:
+            print(f"{e.device_time_total / steps:8.1f} {e.count / steps:10.1f} {e.device_time_total / e.count:8.2f}  "
+                  f"{e.key} {str(e.input_shapes)[:160]}")
 
 
 def one_rank_group():
@@ -270,8 +281,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     tag(f"{name} {variant} B={b}: {new} tokens")
                     pre, dec, steps, out, busy = engine_generate(engine, prompts, new)
                     row.update(ttft_ms=pre * 1e3, tpot_ms=dec / steps * 1e3, host_busy_ms=busy / steps * 1e3)
-                    if args.profile:
-                        profile_decode(engine, prompts)
+                    if args.profile or args.profile_shapes:
+                        profile_decode(engine, prompts, shapes=args.profile_shapes)
                     if b in eager_ids:
                         row["agreeing_prefix"] = agreeing_prefix(out, eager_ids[b])
                     roof, parts = step_roofline_ms(model, engine, b, args.prompt + args.output / 2)
@@ -363,6 +374,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="padded tokens of a prefill step of several prompts (the engine's default: 8192)")
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
+    ap.add_argument("--profile-shapes", action="store_true",
+                    help="--profile without CUDA graphs, with each op's device time per input shape")
     ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
     ap.add_argument("--compile-options", default="",
                     help="backend options for the engine, e.g. complex=0,moe=1 (pass switches; 0/1 values); "
