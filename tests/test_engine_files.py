@@ -3,6 +3,7 @@ refusals of a directory that does not fit."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -61,15 +62,22 @@ def test_engine_directory_generates_hf_tokens_without_compiling(exported, name):
         assert out.token_ids == hf_greedy(name, prompt, 10)
 
 
-def test_ssd_directory_takes_every_prompt_length(tmp_path):
+def test_ssd_directory_takes_every_prompt_length(tmp_path, caplog):
     """HF's Mamba2 scan branches on whole chunks or a padded one, and on one chunk or several, where no size range
     says so: the export drives every prompt length so each branch gets its program, and a loaded directory tries the
     programs whose ranges fit until one's guards pass. Every length within the limits gives the model's tokens."""
     path = export_engine("mamba2", tmp_path / "m2", max_seq_len=24, progress=lambda msg: None)
     engine = Engine.from_pretrained(str(path))
-    prompts = [[(7 * i + n) % 200 + 3 for i in range(n)] for n in range(1, 21)]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.scheduler.max_prefill_seqs > 1 and "equal length" in engine.prefill_batch_note
+    sizes, launch = [], engine.runner.launch
+    engine.runner.launch = lambda step, ahead=None: (sizes.append(len(step.seqs)) if step.kind != "decode" else None,
+                                                     launch(step, ahead))[1]
+    # every length twice: prompts of one length (and first chunks of 12) prefill together, unpadded
+    prompts = [[(k * i + n) % 200 + 3 for i in range(n)] for n in range(1, 21) for k in (7, 11)]
+    with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     assert [o.error for o in outs] == [None] * len(prompts)
+    assert max(sizes) >= 2 and not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()], sizes
     # whole chunks and padded ones, one chunk and several (tiny mamba2: chunks of 8): the model directory's tokens
     want = Engine(zoo.load("mamba2"), compile=None).generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
@@ -90,7 +98,7 @@ def test_streaming_sampling_and_batching_from_an_engine_directory(exported):
 def test_engine_directory_prefills_several_prompts_a_step(exported):
     """A model without state layers is exported with programs for padded prefills of several prompts: prompts arriving
     together share prefill steps from the directory as from the model directory, with HF's tokens. A model with state
-    layers prefills one prompt a step from its directory, and says so."""
+    layers batches prompts of one length only (unpadded rows), and says so."""
     engine = Engine.from_engine(exported("llama"))
     assert engine.prefill_batch_note is None and engine.scheduler.max_prefill_seqs > 1
     sizes, launch = [], engine.runner.launch
@@ -101,7 +109,7 @@ def test_engine_directory_prefills_several_prompts_a_step(exported):
     assert max(sizes) >= 2, sizes
     assert [o.token_ids for o in outs] == [hf_greedy("llama", p, 5) for p in prompts]
     mamba = Engine.from_engine(exported("mamba"))
-    assert mamba.scheduler.max_prefill_seqs == 1 and "one prompt per prefill step" in mamba.prefill_batch_note
+    assert mamba.scheduler.equal_lengths and "equal length" in mamba.prefill_batch_note
 
 
 def test_load_in_a_process_that_cannot_import_the_modeling_code(exported):

@@ -31,6 +31,11 @@ def _spec_json(spec) -> dict:
 
 
 # -- export ------------------------------------------------------------------------------------------------
+def _other(engine, ids: list[int]) -> list[int]:
+    """A prompt of ``ids``' length with other tokens."""
+    return [(3 * t + 5) % (engine.vocab_size - 1) + 1 for t in ids]
+
+
 def _uncovered(cap, chunk: int, block_size: int, max_len: int) -> list[tuple[list[list[int]], int]]:
     """Requests for the sizes beyond the bound of a program (a branch of the model on a size bounds it), so that
     another program takes them: prompts one token past a bounded prompt length, contexts one block past a bounded
@@ -98,10 +103,14 @@ def export_engine(name_or_path: str, out_dir: str | Path, *, device: str = "cpu"
     engine = Engine(model, tokenizer=tokenizer, compile=None, cache_memory=64 << 20, block_size=block_size,
                     max_num_seqs=4, max_prefill_tokens=chunk, overlap=False, bucket_decode=dev.type == "cuda",
                     packed_steps=False)  # a directory's programs are the padded steps' (packed steps: no program)
-    if engine.cache.states:  # one prompt per prefill step: a state layer's scan branches on each row's length and
-        engine.scheduler.max_prefill_seqs = 1  # padding, so batched prefills would need a program per combination
+    if engine.cache.states:  # prompts (or chunks) of one length per prefill step, unpadded: a state layer's scan
+        # branches on each row's length and padding, so padded rows of several lengths would need a program per
+        # combination of branches; rows of one length take the branches of that length
+        engine.runner.pad_states, engine.scheduler.equal_lengths = False, True
     cap = Capture(engine, compile_options, progress).install()
     runs = call_kinds(engine, block_size, chunk, max_seq_len)
+    if engine.cache.states:  # every single-prompt length also as two prompts of that length: the batched programs
+        runs += [([p[0], _other(engine, p[0])], n) for p, n in runs if len(p) == 1]
     for _ in range(4):  # the workload, then requests for what its programs left out, while they add programs
         before = cap.count
         for prompts, n in runs:
@@ -154,7 +163,8 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
     plan = {"specs": [_spec_json(s) for s in engine._layer_specs], "prefill_note": engine.prefill_note,
             "own_attention": engine._own_attention, "block_size": block_size,
             "paged_decode": engine.runner.paged_decode, "latent": engine.runner.paged_latent,
-            "prefill_seqs": "several" if engine.scheduler.max_prefill_seqs > 1 else "one",
+            "prefill_seqs": ("one" if engine.scheduler.max_prefill_seqs == 1 else
+                             "equal" if engine.scheduler.equal_lengths else "several"),
             **limits, "model_class": type(model).__name__}
     files = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*"))
              if p.is_file() and p.relative_to(out).parts[0] != TRITON_CACHE}  # Triton checks its own cache

@@ -214,10 +214,11 @@ class Engine:
         # several prompts per prefill step (left-padded rows) where every cached layer is attention read through the
         # engine's mask; with state layers (SSM, delta rule) only rows of equal length, since a recurrence would run
         # over the padding; attention of the model's own and engine directories exported for one prompt a step
-        # (models with state layers) take one
+        # (written before directories held batched prefills) take one. A directory's "equal": state layers, rows of
+        # one length (the export's programs are unpadded)
         one = ("attention of the model's own: one prompt per prefill step" if own else
                "engine directory: one prompt per prefill step" if plan is not None
-               and plan.get("prefill_seqs") != "several" else None)
+               and plan.get("prefill_seqs") not in ("several", "equal") else None)
         self.prefill_batch_note = one or ("state layers: prompts of equal length per prefill step" if has_ssm else None)
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, chunked_prefill=self.prefill_note is None,
