@@ -112,6 +112,17 @@ def test_engine_directory_prefills_several_prompts_a_step(exported):
     assert mamba.scheduler.equal_lengths and "equal length" in mamba.prefill_batch_note
 
 
+def test_a_directory_reads_only_the_programs_its_calls_reach(exported):
+    """Programs are read at their first call: loading reads none, a short request only those of its calls."""
+    engine = Engine.from_engine(exported("llama"))
+    programs = [p for ps in engine.model._programs.values() for _, p in ps]
+    assert programs and all(p.loaded is None for p in programs)
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy("llama", [5, 6, 7], 3)
+    read = [p.spec.key for p in programs if p.loaded is not None]
+    assert 0 < len(read) < len(programs), read
+
+
 def test_load_in_a_process_that_cannot_import_the_modeling_code(exported):
     path = exported("llama")
     script = textwrap.dedent(f"""
@@ -269,8 +280,9 @@ def test_aot_inductor_packages_load_in_a_fresh_process(tmp_path):
         from torch._dynamo.utils import counters
         from runtime.engine import Engine, SamplingParams
         engine = Engine.from_pretrained({str(path)!r})
-        kinds = sorted({{type(p).__name__ for ps in engine.model._programs.values() for _, p in ps}})
         out = engine.generate({PROMPTS!r}, SamplingParams(max_tokens=6, ignore_eos=True))
+        kinds = sorted({{type(p.loaded).__name__ for ps in engine.model._programs.values() for _, p in ps
+                         if p.loaded is not None}})
         print(json.dumps([kinds, counters["frames"]["total"], counters["inductor"].get("fxgraph_cache_miss", 0),
                           [o.token_ids for o in out]]))
     """)

@@ -311,6 +311,33 @@ def _load_package(path: Path, spec: ProgramSpec):
         return None
 
 
+class Program:
+    """One program of an engine directory, read at its first call: a run reads only the programs its calls reach
+    (each takes about a third of a second to read and rebuild, and a directory of a model with state layers holds
+    dozens). The files' checksums and the versions they need were checked when the directory loaded.
+    ``package``: run its AOTInductor package where one loads here, else the exported program."""
+
+    def __init__(self, path: Path, spec: ProgramSpec, package: bool):
+        self.path, self.spec, self.package = path, spec, package
+        self.loaded = None  # the module that runs the calls, once read
+
+    def __call__(self, *args):
+        if self.loaded is None:
+            self.loaded = self._load()
+        return self.loaded(*args)
+
+    def _load(self):
+        program = _load_package(self.path, self.spec) if self.package else None
+        if program is not None:
+            return program
+        try:
+            return torch.export.load(str(self.path / self.spec.file)).module()
+        except Exception as e:  # noqa: BLE001
+            raise EngineFileError(f"{self.path / self.spec.file} does not load as an exported program "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:200]}): export the engine "
+                                  "again") from None
+
+
 #: the engine plan's entries a load reads, with their types (ints: positive)
 PLAN_TYPES = {"specs": list, "block_size": int, "paged_decode": bool, "latent": bool, "max_batch": int,
               "max_seq_len": int, "max_prefill_tokens": int, "model_class": str}
@@ -389,14 +416,8 @@ def load_model(path: str | Path, device: str | None = None, dtype: torch.dtype |
     programs = {}
     packaged = os.environ.get(ROUTE_ENV, "packaged") != "exported"
     for spec in specs:
-        program = _load_package(path, spec) if packaged and spec.package and not branches(spec, specs) else None
-        if program is None:
-            try:
-                program = torch.export.load(str(path / spec.file)).module()
-            except Exception as e:  # noqa: BLE001
-                raise EngineFileError(f"{path / spec.file} does not load as an exported program ({type(e).__name__}: "
-                                      f"{' '.join(str(e).split())[:200]}): export the engine again") from None
-        programs.setdefault(spec.key, []).append((spec, program))
+        package = packaged and bool(spec.package) and not branches(spec, specs)
+        programs.setdefault(spec.key, []).append((spec, Program(path, spec, package)))
     model = ExportedModel(config, generation_config, plan, programs, weights, consts)
     tokenizer = zoo.load_tokenizer(str(path)) if (path / "tokenizer_config.json").is_file() else None
     return model, tokenizer
