@@ -1101,6 +1101,18 @@ def test_warmup_compiles_ahead_and_leaves_no_trace(name):
         engine.warmup()
 
 
+def test_warmup_stays_within_a_short_length_limit():
+    """A model (or engine directory) limited to fewer tokens than the warm-up's longest call kind: its requests are
+    cut to the limit, new tokens included, and the warm-up (which `hybrid serve` runs first) completes."""
+    model = zoo.build("llama")
+    model.config.max_position_embeddings = 24
+    engine = Engine(model, compile=None, max_num_seqs=2)
+    assert engine.max_model_len == 24
+    engine.warmup(progress=lambda msg: None)
+    assert not engine.has_unfinished()
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids == hf_greedy("llama", [5, 6, 7], 3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3", "qwen3_next"])
 def test_warmup_records_every_decode_graph(name):

@@ -220,6 +220,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "'n' is not supported"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "'logprobs' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 0}, 400, "'logprobs' is not supported"),
     ("/v1/completions", {"prompt": ""}, 400, "empty prompt"),
     ("/v1/completions", {"prompt": []}, 400, "'prompt' must be"),
     ("/v1/completions", {"prompt": [5, 999]}, 400, r"outside the vocabulary \[0, 256\)"),
@@ -254,6 +255,14 @@ def test_bad_requests_are_json_errors(server, path, body, status, match):
     error = r.json()["error"]
     assert re.search(match, error["message"]) and "Traceback" not in r.text
     assert not server.engine.has_unfinished()
+
+
+def test_engine_refusals_name_their_field(server):
+    """A request the engine refuses (ids outside the vocabulary, too long) is a 400 whose param names the field."""
+    for body, param in (({"prompt": "hi", "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+                        ({"prompt": [5, 999]}, "prompt"), ({"prompt": "hi", "max_tokens": 10 ** 6}, "prompt")):
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
 def test_what_clients_send_by_default_is_taken(server):

@@ -149,7 +149,8 @@ def call_kinds(engine, block_size: int, chunk: int, max_len: int) -> list[tuple[
         edges = {n for c in scan_chunks(engine.model) for k in (1, 2) for n in (k * c - 1, k * c, k * c + 1)}
         lengths = sorted({2, 3, 4, 5} | edges | {chunk + n for n in {2, 3, 4, 5} | edges})
         runs += [([p(n, 20 + n)], 1) for n in lengths if 2 <= n <= longest]
-    return runs
+    # a short length limit: every request within it, its new tokens included (cut prompts stay at least a token)
+    return [([q[:max(1, max_len - n)] for q in prompts], min(n, max_len - 1)) for prompts, n in runs]
 
 
 def scan_chunks(model) -> set[int]:

@@ -118,7 +118,8 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
         try:
             ids, box = await loop.submit(req.prompts, [req.params] * len(req.prompts))
         except (ValueError, TypeError) as e:
-            raise APIError(" ".join(str(e).split())) from None
+            message = " ".join(str(e).split())
+            raise APIError(message, _param(message, chat)) from None
         choices = {rid: Choice(engine.tokenizer, req.stop) for rid in ids}
         def use():
             return protocol.usage(sum(map(len, req.prompts)), sum(len(c.ids) for c in choices.values()))
@@ -210,6 +211,15 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
 
 
 CREATED = int(time.time())
+
+
+def _param(message: str, chat: bool) -> str | None:
+    """The request field an engine refusal is about (its ``param``)."""
+    if "stop_token_ids" in message:
+        return "stop_token_ids"
+    if "maximum length" in message or "vocabulary" in message:
+        return "messages" if chat else "prompt"
+    return None
 
 
 def _sse(obj: dict) -> str:

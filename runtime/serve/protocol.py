@@ -86,7 +86,9 @@ def _check_fields(body: dict, allowed: dict) -> None:
     for name, value in body.items():
         if name in OFF:
             off = OFF[name]
-            if value is not None and value != off and not (off is None and value in (False, {}, [])) \
+            # a bool is no number here: logprobs 0 asks for the sampled token's logprob, not for none
+            same = value == off and isinstance(value, bool) == isinstance(off, bool)
+            if value is not None and not same and not (off is None and (value is False or value in ({}, []))) \
                     and not (name == "response_format" and value == {"type": "text"}):
                 raise APIError(f"'{name}' is not supported by this server (only {json.dumps(off)})", name)
             continue
