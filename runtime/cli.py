@@ -504,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_sampling("temperature", float), default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=_sampling("top_k", int), default=0)
     g.add_argument("--top-p", type=_sampling("top_p", float), default=1.0)
-    g.add_argument("--seed", type=_sampling("seed", int))
+    g.add_argument("--seed", type=_sampling("seed", int),
+                   help="sampling seed of every prompt (each prompt's sampler starts from it, as a request's seed does)")
     g.add_argument("--json", action="store_true", help='print {"outputs": [{"token_ids": [...], "text": ...}], ...}')
     g.add_argument("--tensor-parallel", type=_int_at_least(1), default=1, metavar="N",
                    help="split the model over N processes (torch.distributed; started on this host, or run it "
