@@ -207,6 +207,35 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20, shape
                   f"{e.key} {str(e.input_shapes)[:160]}")
 
 
+def profile_prefill(engine: Engine, prompts: torch.Tensor) -> None:
+    """Where the time to first token goes: the steps until every one of the B prompts has its first token, profiled
+    (host ops by self CPU time, device kernels by time), after the timed run compiled them."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        ids = [engine.add_request(p, params) for p in prompts.tolist()]
+        steps = 0
+        while not all(engine.output(i).token_ids for i in ids):
+            engine.step()
+            steps += 1
+        sync()
+    wall = (time.perf_counter() - t0) * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    tag(f"prefill profile B={prompts.shape[0]}: {steps} steps, wall {wall:.2f} ms (profiled), device kernels "
+        f"{gpu:.2f} ms")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    print(f"{'us':>9} {'calls':>6} {'us/call':>8}  kernel ({sum(e.count for e in kernels)} device ops)")
+    for e in kernels[:40]:
+        print(f"{e.self_device_time_total:9.1f} {e.count:6d} {e.self_device_time_total / e.count:8.2f}  {e.key[:100]}")
+
+
 def one_rank_group():
     """The default process group with this process as its only rank (started once)."""
     import os
@@ -281,6 +310,8 @@ def run_model(name: str, args, device: str, dtype) -> list[dict]:
                     tag(f"{name} {variant} B={b}: {new} tokens")
                     pre, dec, steps, out, busy = engine_generate(engine, prompts, new)
                     row.update(ttft_ms=pre * 1e3, tpot_ms=dec / steps * 1e3, host_busy_ms=busy / steps * 1e3)
+                    if args.profile_prefill:
+                        profile_prefill(engine, prompts)
                     if args.profile or args.profile_shapes:
                         profile_decode(engine, prompts, shapes=args.profile_shapes)
                     if b in eager_ids:
@@ -376,6 +407,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
     ap.add_argument("--profile-shapes", action="store_true",
                     help="--profile without CUDA graphs, with each op's device time per input shape")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="profile the engine's steps to the batch's first tokens (host ops, device kernels)")
     ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
     ap.add_argument("--compile-options", default="",
                     help="backend options for the engine, e.g. complex=0,moe=1 (pass switches; 0/1 values); "
