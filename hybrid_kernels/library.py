@@ -132,3 +132,23 @@ def pdl_start(PDL: tl.constexpr):
 @functools.lru_cache(maxsize=None)
 def _hopper_or_newer() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def compiled_kernels() -> dict[str, int]:
+    """``{module.kernel: compiled variants}`` of every Triton / Gluon kernel of this package that has compiled (all
+    devices). Triton compiles a kernel once per constexpr set and per specialisation of its other arguments
+    (an integer equal to 1 or divisible by 16, a pointer aligned to 16 bytes), each time it first meets one in a
+    process, for up to a second; a server checks that its warm-up left nothing to compile (tests, bench). Empty
+    under the interpreter."""
+    import sys
+    from triton.runtime.jit import JITFunction
+    counts = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(__package__ + ".") or module is None:
+            continue
+        for attr, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and fn.__module__ == name:
+                n = sum(len(cache[0]) for cache in getattr(fn, "device_caches", {}).values())
+                if n:
+                    counts[f"{name.removeprefix(__package__ + '.')}.{attr}"] = n
+    return counts

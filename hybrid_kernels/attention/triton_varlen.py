@@ -60,7 +60,7 @@ def _key_block(q, row, tab, start, last, pos, m_i, l_i, acc, sb_row, scale_log2,
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_tab", "num_seqs"])
 def _varlen_kernel(q_ptr, buf_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, sinks_ptr, sq_n, sq_h, sb_row, sb_h, so_n,
                    so_h, s_tab, num_seqs, scale_log2, softcap, window, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,

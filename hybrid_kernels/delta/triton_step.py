@@ -14,7 +14,7 @@ import triton.language as tl
 from .triton_config import CONFIG
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _delta_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, ht_ptr, idx_ptr,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh, stride_ob, stride_ot, stride_oh,

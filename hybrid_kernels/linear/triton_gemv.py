@@ -192,7 +192,7 @@ def _skinny_dot_acc(x_ptr, w_ptr, M, N, K, stride_x, stride_w, rm, rn, BLOCK_K: 
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _skinny_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
                        st_ptr, cw_ptr, cb_ptr, c_ptr, C0, C, ss_b, ss_c, ss_w, scw_c, scw_k, sc_b,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -340,7 +340,7 @@ def linear_triton(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tens
     return ys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n

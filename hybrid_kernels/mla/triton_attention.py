@@ -155,7 +155,7 @@ def _attend_tile(q_lat, q_rope, KL, KR, row_l, row_r, s_kld, s_krd, offs_l, offs
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S", "NSEQ", "NUM_SPLITS", "T_SCR", "s_bt"])
 def _mla_attn_kernel(
     QL, QR, KL, KR, BT, SEQ, QSL, MASK, O, PO, PLSE,
     s_qlb, s_qlt, s_qlh, s_qld, s_qrb, s_qrt, s_qrh, s_qrd,      # query strides (batch, token, head, dim)
@@ -314,7 +314,7 @@ def _merge_splits(PO, PLSE, r0, NROWS, L, NUM_SPLITS, c0, HB: tl.constexpr, BLOC
     return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS", "NROWS", "T_OUT"])
 def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, NROWS, T_OUT, s_ob, s_ot, s_oh, HB: tl.constexpr,
                       BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Program (HB rows of token x head, BLOCK_L columns): those rows' merged o_lat columns."""
@@ -332,7 +332,7 @@ def _mla_merge_kernel(PO, PLSE, O, H, L, NUM_SPLITS, NROWS, T_OUT, s_ob, s_ot, s
              mask=(rows < NROWS)[:, None] & (offs < L)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _mla_merge_uv_kernel(PO, PLSE, W, O, H, L, V, NUM_SPLITS, s_wh, s_wv, s_ob, s_oh, BLOCK_L: tl.constexpr,
                          BLOCK_S: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     """Decode at a few sequences: the merge, then W_UV, in one launch. Program (token x head, BV columns of V):

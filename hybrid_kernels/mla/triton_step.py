@@ -34,7 +34,7 @@ from .reference import check_step_args
 CONFIG = dict(block_l=128, max_block_b=64, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "N_Q"])
 def _mla_step_prep_kernel(QN, W, QL, KV, NW, KR, SLOTS, CACHE,
                           s_qb, s_qh, s_wh, s_wp, s_lb, s_lh, s_kvb, s_krb, s_row,
                           B, H, P, L, R, N_Q, eps,

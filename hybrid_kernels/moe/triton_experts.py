@@ -83,7 +83,7 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, inter_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
                     num_pairs, N, K, num_pid_m, alpha, limit,
                     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_im, stride_in,
@@ -156,7 +156,7 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, inter_ptr, sorted_ptr, block_expert_ptr
     tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _down_kernel(inter_ptr, w_ptr, b_ptr, buf_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, rw_ptr,
                  num_pairs, N, K, num_pid_m, k_per_split,
                  stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_be, stride_bs, stride_bp, stride_bn,

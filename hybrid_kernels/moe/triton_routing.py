@@ -44,7 +44,7 @@ def _argmax_first(v, cols, EP: tl.constexpr):
     return m, idx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _router_gemm_kernel(x_ptr, rw_ptr, out_ptr, T, E, H, stride_xt, stride_xh, stride_re, stride_rh,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         IEEE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
@@ -94,7 +94,7 @@ def _router_gemv_kernel(x_ptr, rw_ptr, out_ptr, E, H, stride_xt, stride_xh, stri
     tl.store(out_ptr + t * E + e, logit)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le, scale, eps,
                   E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                   METHOD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -104,7 +104,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_lt, stride_le,
                 E, EP, TOP_K, KP, METHOD, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "MAX_PADDED", "MAX_BLOCKS"])
 def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, T,
                         stride_lt, stride_le, scale, eps, MAX_PADDED, MAX_BLOCKS,
                         E: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
@@ -428,7 +428,7 @@ def _write_layout(sorted_ptr, block_expert_ptr, num_post_ptr, counts, N, MAX_PAD
     return starts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "MAX_PADDED", "MAX_BLOCKS"])
 def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PADDED, MAX_BLOCKS,
                          E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
                          TAIL: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -453,14 +453,14 @@ def _align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, MAX_PAD
         running += tl.sum(onehot, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _align_count_kernel(ids_ptr, counts_ptr, N, EP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     _, _, onehot = _chunk_onehot(ids_ptr, pid * BLOCK, N, BLOCK, EP)
     tl.store(counts_ptr + pid * EP + tl.arange(0, EP), tl.sum(onehot, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "NB", "MAX_PADDED", "MAX_BLOCKS"])
 def _align_offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_post_ptr, N, NB,
                           MAX_PADDED, MAX_BLOCKS, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
                           CB: tl.constexpr, TAIL: tl.constexpr, BB: tl.constexpr):
@@ -481,7 +481,7 @@ def _align_offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, nu
         running += tl.sum(cnt, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, N, EP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs, valid, onehot = _chunk_onehot(ids_ptr, pid * BLOCK, N, BLOCK, EP)

@@ -24,7 +24,7 @@ def _silu_flag(activation: str) -> bool:
     raise ValueError(f"activation must be 'silu' or 'none', got {activation!r}")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_tblk", "sxb", "syb"])
 def _conv_fwd_kernel(
     x_ptr, w_ptr, b_ptr, init_ptr, y_ptr, fs_ptr,
     C, T, n_tblk,

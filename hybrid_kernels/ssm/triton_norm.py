@@ -14,7 +14,7 @@ from hybrid_kernels.library import pdl_opts, pdl_start
 from .triton_config import CONFIG, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
     R, NG, GS, eps,

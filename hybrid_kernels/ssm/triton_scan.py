@@ -33,7 +33,7 @@ def _linear_combine(a_l, b_l, a_r, b_r):
     return a_l * a_r, a_r * b_l + b_r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _selective_scan_kernel(
     u_ptr, dl_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, db_ptr, h0_ptr, y_ptr, hT_ptr,
     DIM, T, N,

@@ -55,7 +55,7 @@ def _process_dt(dt_raw, db_ptr, h, dt_min, dt_max, HAS_DB: tl.constexpr, SOFTPLU
     return tl.minimum(tl.maximum(dt, tl.cast(dt_min, tl.float32)), tl.cast(dt_max, tl.float32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "nchunks"])
 def _ssd_dt_kernel(
     dt_ptr, A_ptr, db_ptr, dtw_ptr, cum_ptr, T, H, nchunks, dt_min, dt_max, sdb, sdt, sdh,
     HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr, L: tl.constexpr,
@@ -76,7 +76,7 @@ def _ssd_dt_kernel(
     tl.store(cum_ptr + ws, tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "nchunks"])
 def _ssd_states_kernel(
     x_ptr, B_ptr, h0_ptr, dtw_ptr, cum_ptr, prev_ptr, fin_ptr,
     T, H, P, N, nchunks, n_pblk, n_nblk, hpg,
@@ -126,7 +126,7 @@ def _ssd_states_kernel(
     tl.store(fin_ptr + bh * PN + offs_p[:, None] * N + offs_n[None, :], s, mask=mpn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "nchunks"])
 def _ssd_cb_kernel(
     B_ptr, C_ptr, cb_ptr,
     T, G, N, nchunks, n_mblk,
@@ -158,7 +158,7 @@ def _ssd_cb_kernel(
         tl.store(base + offs_m[:, None] * L + offs_k[None, :], cb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "nchunks"])
 def _ssd_chunk_scan_kernel(
     x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, dtw_ptr, cum_ptr, prev_ptr, cb_ptr, y_ptr,
     T, H, P, N, G, nchunks, n_pblk, n_mblk, hpg,
