@@ -89,6 +89,14 @@ def _ssd_scan(
     return fn(x, dt, A, Bm, Cm, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states)
 
 
+@_ssd_scan.register_fake
+def _(x, dt, A, Bm, Cm, chunk_size, *args):
+    # shapes only: the body (the reference on the CPU) would trace the chunked scan's einsums on symbolic sizes,
+    # seconds per graph; Inductor still lowers the op through the body
+    b, t, h, p = x.shape
+    return x.new_empty((b, t, h, p)), x.new_empty((b, h, p, Bm.shape[-1]), dtype=torch.float32)
+
+
 @torch.library.triton_op(op_name("ssd_state_update"), mutates_args={"state"})
 def _ssd_state_update(
     state: Tensor, x: Tensor, dt: Tensor, A: Tensor, Bm: Tensor, Cm: Tensor, D: Optional[Tensor],

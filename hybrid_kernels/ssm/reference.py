@@ -265,7 +265,7 @@ def ssd_scan_ref(
         y = y + D.float()[:, None] * xf
     if z is not None:
         y = y * F.silu(z.float())
-    return y.to(x.dtype), ends[:, -1].contiguous()
+    return y.to(x.dtype).contiguous(), ends[:, -1].contiguous()
 
 
 def ssd_state_update_ref(
