@@ -24,6 +24,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from graphs.regions import Region, find_regions, node_value
 from hybrid_kernels.linear.triton_gemv import pick_config
@@ -44,17 +45,25 @@ def _is_identity_slice(n: fx.Node) -> bool:
     """``t[:, -1:, :]`` and the like that keep the whole tensor here (same shape as their input)."""
     if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
         return False
+    if not all(isinstance(i, slice) for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],))):
+        return False
     src, out = node_value(n.args[0]), node_value(n)
-    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and tuple(src.shape) == tuple(out.shape) \
-        and all(isinstance(i, slice) for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
+    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and _same_shape(src, out)
 
 
 def _is_add(n: fx.Node) -> bool:
     if n.op != "call_function" or n.target not in (operator.add, torch.add) or n.kwargs or len(n.args) != 2:
         return False
     a, b = (node_value(x) for x in n.args)
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape) \
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_shape(a, b) \
         and a.is_floating_point() and b.is_floating_point()
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Shapes equal for every size the graph takes, decided without a guard: comparing symbolic sizes with ``==``
+    would make dynamo guard on the answer, and a step whose sizes answer otherwise (a packed step whose tokens are
+    all last tokens) would compile another graph."""
+    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
 
 
 class FuseNorm(Pass):

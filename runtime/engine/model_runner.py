@@ -637,11 +637,16 @@ RECOMPILE_LIMIT = 64
 
 
 def _recompiles_allowed(compiled):
-    """``compiled`` called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` (for these calls only)."""
+    """``compiled`` called with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` and without duck shaping (for
+    these calls only). Duck shaping gives sizes that happen to be equal at a graph's first call one symbol and guards
+    on their equality: a packed step whose two block tables (MLA's short and long groups) first had one width would
+    compile again at the first step where they differ, in the middle of serving."""
     import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
 
     def run(*args, **kwargs):
-        with dynamo_config.patch(recompile_limit=max(RECOMPILE_LIMIT, dynamo_config.recompile_limit)):
+        with dynamo_config.patch(recompile_limit=max(RECOMPILE_LIMIT, dynamo_config.recompile_limit)), \
+                fx_config.patch(use_duck_shape=False):
             return compiled(*args, **kwargs)
     return run
 

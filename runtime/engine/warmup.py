@@ -11,10 +11,12 @@ What it runs:
    of several lengths together, decodes of one and several sequences over one and several blocks, chunks continuing
    a prompt, and, with state layers, prompts around every scan chunk length: each branch the model takes on a size
    compiles here.
-2. Prefills: requests through the engine's own scheduler with step token counts 16, 64, 256, ... up to the step
+2. Mixed steps (``_mixed``): one and two sequences decoding while one and two prompts arrive, and for MLA long and
+   short prompts together, so the packed steps' branches (decode rows of state layers, MLA's two forms) compile here.
+3. Prefills: requests through the engine's own scheduler with step token counts 16, 64, 256, ... up to the step
    budget (``max_num_batched_tokens``), each request decoding two tokens, so the compiled graphs, their guards and
    the ops' launch configurations for these token counts exist before the first real request.
-3. CUDA graphs (``compile="hybrid-cudagraphs"``): one decode graph per batch bucket up to ``max_num_seqs`` and per
+4. CUDA graphs (``compile="hybrid-cudagraphs"``): one decode graph per batch bucket up to ``max_num_seqs`` and per
    key width (powers of two of blocks) up to ``max_context`` tokens, recorded over padding rows only (they read and
    write the reserved block 0; state rows are restored). Longer contexts record their graphs on first use.
 
@@ -55,14 +57,52 @@ def warm_up(engine, max_context: int | None = None, progress=None) -> dict:
         say(f"warm-up: call kind {i + 1} of {len(runs)} ({len(prompts)} x {len(prompts[0])} tokens, {n} new; "
             f"{time.perf_counter() - t0:.1f} s)")
         _check(engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)))
+    mixed = _mixed(engine, min(engine.scheduler.max_prefill_tokens, max(8, context // 2)), context, say)
     counts = _prefills(engine, context, say)
     graphs = _graphs(engine, context, say) if runner.graphs_enabled else 0
     engine.stats = stats
     engine.reset_expert_loads()
     seconds = time.perf_counter() - t0
-    say(f"warm-up done in {seconds:.1f} s: prefill steps of {counts} tokens, {graphs} decode graphs recorded "
-        f"(contexts up to {context} tokens)")
-    return dict(prefill_tokens=counts, graphs=graphs, max_context=context, seconds=seconds)
+    say(f"warm-up done in {seconds:.1f} s: {mixed} mixed steps, prefill steps of {counts} tokens, {graphs} decode "
+        f"graphs recorded (contexts up to {context} tokens)")
+    return dict(prefill_tokens=counts, mixed_steps=mixed, graphs=graphs, max_context=context, seconds=seconds)
+
+
+def _mixed(engine, chunk: int, max_len: int, say) -> int:
+    """Packed steps of decodes beside prompts, as requests arriving while others decode make them: one and two
+    decoding sequences beside one and two prompts, and for MLA a prompt long enough for the expanded form beside
+    short ones (both forms in one step). State layers take another branch with decode rows in a step, MLA layers
+    with both forms, and dynamo compiles a size of 1 apart (one decode row, one prompt, one long sequence), so each
+    of these is a graph of its own that a server would otherwise compile in the middle of its first mixed load.
+    Returns the mixed steps run."""
+    sched = engine.scheduler
+    if not sched.packed or sched.max_num_seqs < 2:
+        return 0
+    p = lambda n, seed: prompt_ids(engine, max(1, min(n, max_len - 10)), seed)  # noqa: E731
+    long = EXPANDED_MIN_QUERIES  # a prompt (or its first chunk) of at least this many tokens attends expanded
+    mla = engine.runner.paged_latent and long <= min(chunk, max_len - 10)
+    bs = engine.blocks.block_size if engine.blocks is not None else 16
+    # contexts within one cache block and beyond it (a block table of one column is a graph of its own)
+    shapes = [(d, [3 + j for j in range(c)], ctx) for ctx in (2, bs + 3) for d in (1, 2) for c in (1, 2)]
+    if mla:
+        shapes += [(1, [long], bs + 3), (2, [3, long + 1], bs + 3), (1, [long + 2, long + 4], bs + 3)]
+    shapes = [(d, lens, ctx) for d, lens, ctx in shapes if d + len(lens) <= sched.max_num_seqs
+              and max(lens) + ctx + 10 <= max_len]
+    mixed = 0
+    for i, (d, lens, ctx) in enumerate(shapes):
+        say(f"warm-up: {d} decoding beside prompts of {lens} tokens ({i + 1}/{len(shapes)})")
+        first = [engine.add_request(p(ctx + k, 60 + k), SamplingParams(max_tokens=8, ignore_eos=True))
+                 for k in range(d)]
+        while not all(engine.output(r).token_ids for r in first):
+            engine.step()
+        ids = [engine.add_request(p(n, 70 + k), SamplingParams(max_tokens=2, ignore_eos=True))
+               for k, n in enumerate(lens)]
+        steps = engine.stats.get("packed_steps", 0)
+        while engine.has_unfinished():
+            engine.step()
+        mixed += engine.stats.get("packed_steps", 0) - steps
+        _check([engine.output(r) for r in first + ids])
+    return mixed
 
 
 def _prefills(engine, context: int, say) -> list[int]:
