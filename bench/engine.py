@@ -165,6 +165,16 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> t
     return first, after, max(steps, 1), outs, after - wait
 
 
+def kernel_table(events, steps: int, limit: int | None = None) -> None:
+    """Device kernels of a profile by time, per step of ``steps`` (1: the whole profiled span)."""
+    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    print(f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel (all {sum(e.count for e in kernels) / steps:.0f} "
+          f"device ops per step)")
+    for e in kernels[:limit]:
+        print(f"{e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f} "
+              f"{e.self_device_time_total / e.count:8.2f}  {e.key[:100]}")
+
+
 def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20, shapes: bool = False) -> None:
     """Where a decode step's wall time goes: host-side (Python, launches) vs GPU kernel time. ``shapes``: the steps
     run without CUDA graphs (the kernels are the ones the graphs hold: cuBLAS and Triton pick them per call), and
@@ -192,12 +202,7 @@ def profile_decode(engine: Engine, prompts: torch.Tensor, steps: int = 20, shape
     gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
     tag(f"profile B={prompts.shape[0]}: wall {wall:.3f} ms/step (profiled), GPU kernels {gpu:.3f} ms/step")
     print(events.table(sort_by="cpu_time_total", row_limit=30))
-    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
-    print(f"{'us/step':>8} {'calls/step':>10} {'us/call':>8}  kernel (all {sum(e.count for e in kernels) / steps:.0f} "
-          f"device ops per step)")
-    for e in kernels:
-        per_step = e.self_device_time_total / steps
-        print(f"{per_step:8.1f} {e.count / steps:10.1f} {e.self_device_time_total / e.count:8.2f}  {e.key[:90]}")
+    kernel_table(events, steps)
     if shapes:
         ops = [e for e in prof.key_averages(group_by_input_shape=True)
                if e.device_time_total > 0 and e.key.startswith(("aten::", "hybrid::"))]
@@ -230,10 +235,7 @@ def profile_prefill(engine: Engine, prompts: torch.Tensor) -> None:
     tag(f"prefill profile B={prompts.shape[0]}: {steps} steps, wall {wall:.2f} ms (profiled), device kernels "
         f"{gpu:.2f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25))
-    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
-    print(f"{'us':>9} {'calls':>6} {'us/call':>8}  kernel ({sum(e.count for e in kernels)} device ops)")
-    for e in kernels[:40]:
-        print(f"{e.self_device_time_total:9.1f} {e.count:6d} {e.self_device_time_total / e.count:8.2f}  {e.key[:100]}")
+    kernel_table(events, 1, limit=40)
 
 
 def one_rank_group():
