@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import HBM_BPS, PEAK_FLOPS, log, write  # noqa: E402
+import compiler  # noqa: E402
 from runtime import zoo  # noqa: E402
 from runtime.hf import quiet_transformers  # noqa: E402
 from runtime.engine import Engine, SamplingParams  # noqa: E402
@@ -273,6 +274,18 @@ def agreeing_prefix(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def run_model(name: str, args, device: str, dtype) -> list[dict]:
+    if not args.explain:
+        return _run_model(name, args, device, dtype)
+    with compiler.collect() as report:
+        rows = _run_model(name, args, device, dtype)
+    tag(f"{name}: explain report of every graph the engines compiled\n{report.table()}")
+    for r in report.regions():
+        if len(set(r["graphs"].values())) > 1:  # a region rewritten in some graphs and not in others
+            tag(f"{r['module']}: {r['graphs']}")
+    return rows
+
+
+def _run_model(name: str, args, device: str, dtype) -> list[dict]:
     tag(f"building {name} on {device} ({dtype})")
     model = zoo.build(name, dtype=dtype, device=device)
     vocab = model.config.vocab_size
@@ -409,6 +422,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="profile 20 engine decode steps per batch size")
     ap.add_argument("--profile-shapes", action="store_true",
                     help="--profile without CUDA graphs, with each op's device time per input shape")
+    ap.add_argument("--explain", action="store_true",
+                    help="print the explain report of the graphs the engines compile (which regions were rewritten)")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="profile the engine's steps to the batch's first tokens (host ops, device kernels)")
     ap.add_argument("--freeze-weights", action="store_true", help="Engine(freeze_weights=True): weights as constants")
