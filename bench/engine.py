@@ -119,8 +119,10 @@ def prefill_roofline_ms(model, engine: Engine, batch: int, prompt: int) -> float
 def hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool) -> tuple[float, float, list]:
     """(ttft s, total s, generated ids) of one HF generate call."""
     cfg = copy.deepcopy(model.generation_config)
-    cfg.eos_token_id = None  # never stop, like the engine's ignore_eos (min_new_tokens would mask the end token's
-    # logit instead, and the engine, which does not, would then differ from HF wherever that token is the argmax)
+    # Never stop, like the engine's ignore_eos: an empty list of end tokens (None is filled back in from the model's
+    # generation config by generate). min_new_tokens would mask the end token's logit instead, and the engine, which
+    # does not, would then differ from HF wherever that token is the argmax.
+    cfg.eos_token_id = []
     kw = dict(generation_config=cfg, do_sample=False, attention_mask=torch.ones_like(prompts), pad_token_id=0)
     if static:
         kw["cache_implementation"] = "static"

@@ -43,7 +43,8 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=g).to(dev)
     cfg = copy.deepcopy(model.generation_config)
-    cfg.eos_token_id = None  # no end token (the engine ignores it too): HF's min_new_tokens would mask it instead
+    cfg.eos_token_id = []  # no end token (the engine ignores it too; None would be filled back in from the model's
+    # generation config): HF's min_new_tokens would mask it instead
     with torch.no_grad():
         out = model.generate(prompt, generation_config=cfg, max_new_tokens=args.tokens, do_sample=False,
                              attention_mask=torch.ones_like(prompt), pad_token_id=0, output_logits=True,
