@@ -28,11 +28,26 @@ from .base import PassContext, RegionPass, Skip, eager_probe
 from .probes import identify_experts
 
 
-def _probe_input(w: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
+#: routings whose experts are the top-k of the raw logits (their scores are monotone in them)
+_BY_LOGIT_ORDER = ("softmax_topk", "topk_softmax")
+
+
+def _probe_input(w: torch.Tensor, tokens: int, seed: int, top_k: int | None = None) -> torch.Tensor:
+    """Probe tokens for the router weight ``w`` [E, H]: logits spread to a std of 2, and where ``top_k`` is given, the
+    ``tokens`` of a pool of 8x as many whose k-th and (k+1)-th logits lie furthest apart. A near tie there flips an
+    expert between two matmuls that round differently (cuBLAS picks kernels by shape), which would fail the probe of a
+    routing we compute right; the tokens kept clear the bf16 rounding of the logits. Only for a routing that selects
+    by the logits' order: where a bias or groups take part, tokens near the logits' ties are what tell variants
+    apart."""
+    pool = tokens * 8 if top_k and 0 < top_k < w.shape[0] else tokens
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, w.shape[1], generator=g, dtype=torch.float32).to(w.device)
+    x = torch.randn(pool, w.shape[1], generator=g, dtype=torch.float32).to(w.device)
     logits = x @ w.float().t()
-    x = x * (2.0 / logits.std().clamp_min(1e-6))  # spread the logits: no near-ties in top-k
+    x = x * (2.0 / logits.std().clamp_min(1e-6))  # spread the logits
+    if pool > tokens:
+        top = logits.topk(top_k + 1, dim=-1).values
+        gap = (top[:, top_k - 1] - top[:, top_k]) / top.abs().amax(-1).clamp_min(1e-6)
+        x = x[gap.topk(tokens).indices.sort().values]
     return x.to(w.dtype)
 
 
@@ -310,7 +325,9 @@ class FuseMoE(RegionPass):
                      post_norm=None) -> MoESpec:
         """The eager block on a probe batch must equal our reference composition of the parts (the live output
         norm applied last, where the block has one)."""
-        x = _probe_input(live.router_w, 12, seed=4321).to(live.w13.dtype).view(1, 12, -1)
+        by_order = all(r.method in _BY_LOGIT_ORDER and r.n_group == 1 for r in routes)
+        x = _probe_input(live.router_w, 12, seed=4321, top_k=routes[0].top_k if by_order else None)
+        x = x.to(live.w13.dtype).view(1, 12, -1)
         flat = x.view(12, -1)
         with eager_probe():
             expected = block(x)

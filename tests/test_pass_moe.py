@@ -221,3 +221,23 @@ def test_clamp_after_the_activation_must_not_fire():
         assert statuses and all(s[0] == status for s in statuses.values()), (limits, statuses)
         if status == "skipped":
             assert all("none of act(gate) * up" in s[1] for s in statuses.values()), statuses
+
+
+def test_probe_tokens_clear_top_k_near_ties():
+    """The block probe picks tokens (for routings by the logits' order) whose k-th and (k+1)-th router logits lie far apart: at 128 experts
+    and top-8, random bf16 tokens put near ties there, and two matmuls that round differently (F.linear in bf16 vs an
+    fp32 product rounded) then choose different experts, which once failed a correct Qwen3-MoE block's probe on the
+    GPU (the block was left to HF's experts)."""
+    from passes.moe import _probe_input
+
+    torch.manual_seed(0)
+    w = (torch.randn(128, 512) * 0.02).to(torch.bfloat16)
+
+    def flips(x):
+        a = torch.nn.functional.linear(x, w).float().topk(8).indices.sort().values
+        b = (x.float() @ w.float().t()).topk(8).indices.sort().values
+        return int((a != b).any(-1).sum())
+
+    assert sum(flips(_probe_input(w, 96, seed)) for seed in range(5)) > 0  # the hazard is real without the choice
+    assert all(flips(_probe_input(w, 96, seed, top_k=8)) == 0 for seed in range(5))
+    assert _probe_input(w, 12, 0, top_k=8).shape == (12, 512)
