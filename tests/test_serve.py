@@ -4,6 +4,7 @@ streaming, concurrent clients, a client that disconnects mid-stream, stop string
 500) and a step that fails (a JSON 500)."""
 import asyncio
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -378,3 +379,15 @@ def test_a_model_without_tokenizer_serves_token_ids_only(alone):
             assert r.status_code == 400 and match in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def test_a_client_that_disconnects_while_sending_its_request_is_dropped_quietly(server, caplog):
+    """Half a request body, then the connection closes: no traceback in the log, and the server goes on."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    r = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert len(r.choices[0].token_ids) == 2

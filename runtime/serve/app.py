@@ -17,8 +17,8 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from runtime.engine import Engine
@@ -105,7 +105,11 @@ def build_app(engine: Engine, model_name: str) -> Starlette:
         return await _serve(request, chat=True)
 
     async def _serve(request: HTTPRequest, chat: bool):
-        body = protocol.parse_json(await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its request arrived whole: nothing was asked, nobody to answer
+            return Response(status_code=400)
+        body = protocol.parse_json(raw)
         model = body.get("model")
         if model is not None and model != model_name:
             raise APIError(f"the model '{model}' does not exist: this server serves '{model_name}'", "model", 404,
