@@ -223,7 +223,8 @@ def test_requests_beyond_the_exported_limits(exported, tmp_path):
     with pytest.raises(ValueError, match="beyond the engine directory's --max-batch 2"):
         Engine.from_engine(path, max_num_seqs=4)
     engine = Engine.from_engine(path, max_num_seqs=2)
-    with pytest.raises(ValueError, match="maximum length of 64"):
+    with pytest.raises(ValueError, match="maximum length of 64 tokens .the engine directory's --max-seq-len 64: export "
+                                         "again with a larger --max-seq-len"):
         engine.generate([[5] * 60], SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="exported with 16"):
         Engine.from_engine(path, block_size=32)

@@ -158,7 +158,10 @@ class Engine:
                                  f"{plan['max_batch']}: lower it, or export again with a larger --max-batch")
             if max_prefill_tokens > plan["max_prefill_tokens"]:
                 max_prefill_tokens = plan["max_prefill_tokens"]  # the chunk lengths the programs were exported for
-            self.max_model_len = min(self.max_model_len or plan["max_seq_len"], plan["max_seq_len"])
+            if self.max_model_len is None or plan["max_seq_len"] < self.max_model_len:
+                self.max_model_len = plan["max_seq_len"]
+                self.length_note = (f" (the engine directory's --max-seq-len {plan['max_seq_len']}: export again with "
+                                    "a larger --max-seq-len for longer requests)")
         else:
             max_num_seqs = DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
             check_model(model)  # features the engine cannot run exactly: refused in one line (features.py)
