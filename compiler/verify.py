@@ -11,8 +11,20 @@ from graphs.regions import Region, Rewrite
 from hybrid_kernels.numerics import close
 
 
+_GONE = object()
+
+
 def _clone(v):
-    return v.clone() if isinstance(v, torch.Tensor) else v
+    """A copy of a value for later comparison; ``_GONE`` for a tensor of a vmap level that has ended (HF's Mamba1
+    scan runs under torch.vmap: its batched intermediates cannot be read outside it, and no op argument is one)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    try:
+        return v.clone()
+    except RuntimeError:
+        if torch._C._functorch.is_batchedtensor(v):
+            return _GONE
+        raise
 
 
 def _concrete(v):
@@ -44,8 +56,8 @@ class RegionRecorder(fx.Interpreter):
         region = self.last.get(n)
         if region is not None:  # everything the region read or computed, as it stands at its end
             self.env[n] = result
-            self.after[region.key] = {x: _clone(self.env[x]) for x in region.inputs + region.nodes
-                                      if x in self.env}
+            after = {x: _clone(self.env[x]) for x in region.inputs + region.nodes if x in self.env}
+            self.after[region.key] = {x: v for x, v in after.items() if v is not _GONE}
         return result
 
 

@@ -222,3 +222,15 @@ def test_mamba1_with_weightless_bcdt_norms_rewritten():
         gen = dict(max_new_tokens=5, do_sample=False)
         assert torch.equal(compiled.generate(ids, **gen), model.generate(ids, **gen))
     torch._dynamo.reset()
+
+
+def test_verify_mode_reads_past_the_mamba1_scans_vmap():
+    """HF's Mamba1 scan runs under torch.vmap: verify mode snapshots the region's values after it, where its batched
+    intermediates can no longer be read; they are left out (no op reads one) and the prefill graph is verified and
+    rewritten instead of falling back whole."""
+    model = zoo.build("mamba")
+    report = explain(model, prompt(model, 1, 9), options={"verify": True})
+    notes = [n for g in report.graphs for n in g.notes]
+    assert not [n for n in notes if "passes failed" in n], notes
+    regions = [r for r in report.regions() if r["kind"] == "ssm"]
+    assert regions and all(r["status"] == "rewritten" for r in regions), regions
