@@ -18,7 +18,7 @@ from runtime import zoo
 from runtime.aot import export_engine
 from runtime.cli import main
 from runtime.engine import Engine, SamplingParams
-from runtime.engine.exported import EngineFileError
+from runtime.engine.exported import SEAL, EngineFileError, seal
 
 PROMPTS = [[5, 6, 7, 8, 9], [3] * 21, [11]]
 #: one family per layer kind: attention, MLA + MoE, SSM (Mamba1); every tiny zoo family was checked by hand
@@ -51,7 +51,7 @@ def test_engine_directory_generates_hf_tokens_without_compiling(exported, name):
     from torch._dynamo.utils import counters
     path = exported(name)
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format"] == 1 and manifest["device"]["kind"] == "cpu" and manifest["programs"]
+    assert manifest["format"] == 2 and manifest["manifest_sha256"] == seal(manifest) and manifest["device"]["kind"] == "cpu" and manifest["programs"]
     assert set(manifest["files"]) >= {"weights.safetensors", "config.json", "programs/0.pt2"}
     frames = counters["frames"]["total"]
     engine = Engine.from_pretrained(str(path))  # an engine directory is recognised
@@ -172,10 +172,12 @@ def _broken(exported, tmp_path, change):
     return path
 
 
-def _edit_manifest(fn):
+def _edit_manifest(fn, reseal=True):
     def change(path):
         m = json.loads((path / "manifest.json").read_text())
         fn(m)
+        if reseal:  # as an exporter would have written it: the load's checks past the seal are what is tested
+            m[SEAL] = seal(m)
         (path / "manifest.json").write_text(json.dumps(m))
     return change
 
@@ -189,10 +191,12 @@ def _flip_byte(path):
 @pytest.mark.parametrize("change, message", [
     (_flip_byte, "weights.safetensors fails its checksum"),
     (lambda p: (p / "programs" / "0.pt2").unlink(), "0.pt2 is missing"),
-    (_edit_manifest(lambda m: m.update(format=99)), "format 99; this hybrid reads format 1"),
+    (_edit_manifest(lambda m: m.update(format=99)), "format 99; this hybrid reads format 2"),
     (_edit_manifest(lambda m: m["versions"].update(torch="2.0.0")), "exported with torch 2.0.0"),
     (_edit_manifest(lambda m: m["device"].update(kind="cuda", capability="9.0")), "is a cuda engine"),
     (lambda p: (p / "manifest.json").write_text("{"), "is not a readable manifest"),
+    (_edit_manifest(lambda m: m["engine"].update(block_size=32), reseal=False),
+     "manifest.json was changed after export (its manifest_sha256 does not match its content)"),
     (_edit_manifest(lambda m: m["files"].pop("weights.safetensors")), "lists no checksum for weights.safetensors"),
     (_edit_manifest(lambda m: m["files"].update({"../x": "0"})), "lists ../x, outside the engine directory"),
     (_edit_manifest(lambda m: m["engine"].update(max_batch="lots")), "malformed engine entry 'max_batch' ('lots')"),
@@ -202,7 +206,7 @@ def _flip_byte(path):
      "malformed program programs/0.pt2 (input step 'nope'"),
     (_edit_manifest(lambda m: m["programs"][0]["inputs"].append(["weight", "nope"])),
      "programs/0.pt2 reads the weight 'nope', which weights.safetensors does not hold"),
-], ids=["checksum", "missing", "format", "torch", "device", "manifest", "unlisted", "outside", "plan", "dtype",
+], ids=["checksum", "missing", "format", "torch", "device", "manifest", "edited", "unlisted", "outside", "plan", "dtype",
         "layers", "step-input", "weight-input"])
 def test_a_directory_that_does_not_fit_is_one_line(exported, tmp_path, capsys, change, message):
     path = _broken(exported, tmp_path, change)

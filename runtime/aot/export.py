@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine.exported import FORMAT, MANIFEST, TRITON_CACHE, device_info, sha256, versions
+from runtime.engine.exported import FORMAT, MANIFEST, SEAL, TRITON_CACHE, device_info, seal, sha256, versions
 from runtime.engine.warmup import call_kinds, prompt_ids
 
 #: "inductor": every program also as an AOTInductor package; "none": the exported programs alone
@@ -171,6 +171,7 @@ def _write(out: Path, engine, cap, model, tokenizer, dev, dtype, limits: dict, b
     manifest = {"format": FORMAT, "versions": versions(), "device": device_info(dev), "dtype": str(dtype),
                 "aot": {"route": "inductor" if cxx else "none", "compiler": cxx}, "engine": plan,
                 "programs": programs, "files": files}
+    manifest[SEAL] = seal(manifest)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     progress(f"wrote {out}: {len(programs)} graphs, {len(files)} files")
 

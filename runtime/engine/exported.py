@@ -2,7 +2,7 @@
 ``ExportedModel``, what the engine runs in place of the HF model. runtime/aot writes them (``hybrid export``).
 
 An engine directory holds:
-  - ``manifest.json``: format version; hybrid, torch, triton and transformers versions; device kind and compute
+  - ``manifest.json``: format version; the sha256 of its own content (``SEAL``: an edited manifest is refused); hybrid, torch, triton and transformers versions; device kind and compute
     capability; dtype; the engine's plan (cache layers, block size, paged decode, limits); the programs with their
     input bindings; sha256 of every other file;
   - ``config.json`` / ``generation_config.json`` and the tokenizer files, as the model directory had them;
@@ -33,8 +33,11 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
+#: format 2: the manifest carries the sha256 of its own content (``SEAL``)
+FORMAT = 2
 MANIFEST = "manifest.json"
+#: the manifest's entry holding the sha256 of the rest of it: a manifest edited after export is refused at load
+SEAL = "manifest_sha256"
 #: the Triton kernels compiled at export (a GPU engine): the cache Triton reads at load, unless TRITON_CACHE_DIR is set
 TRITON_CACHE = "triton"
 _STATE = re.compile(r"^(conv|ssm)\.(\d+)$")
@@ -203,6 +206,12 @@ def device_info(device: torch.device) -> dict:
     return {"kind": "cpu", "capability": None, "name": platform.machine()}
 
 
+def seal(manifest: dict) -> str:
+    """The sha256 of a manifest's entries but ``SEAL`` itself, as canonical JSON (sorted keys, no spaces)."""
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -233,6 +242,9 @@ def read_manifest(path: Path) -> dict:
         got = manifest.get("format") if isinstance(manifest, dict) else None
         raise EngineFileError(f"{path} is an engine directory of format {got!r}; this hybrid reads format {FORMAT}: "
                               "export it again with this hybrid")
+    if manifest.get(SEAL) != seal(manifest):
+        raise EngineFileError(f"{path / MANIFEST} was changed after export (its {SEAL} does not match its content): "
+                              "export the engine again (a manifest is written by `hybrid export`, not by hand)")
     want = {"versions": dict, "device": dict, "dtype": str, "files": dict, "programs": list, "engine": dict}
     for key, kind in want.items():
         if not isinstance(manifest.get(key), kind):
