@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import sys
 import time
@@ -153,17 +154,20 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> t
     after = wait = 0.0
     steps = 0
     start = time.perf_counter()
+    pending = set(ids)  # requests without a token yet (from the step's events: no output objects built per step)
     while engine.has_unfinished():
         waited = engine.runner.wait_s
         t0 = time.perf_counter()
-        engine.step()
+        events = engine.step()
         t1 = time.perf_counter()
         if first is not None:
             after += t1 - t0
             wait += engine.runner.wait_s - waited
             steps += 1
-        elif all(engine.output(i).token_ids for i in ids):
-            first = t1 - start
+        else:
+            pending.difference_update(e.request_id for e in events if e.token_id is not None)
+            if not pending:
+                first = t1 - start
     outs = [engine.output(i).token_ids for i in ids]
     return first, after, max(steps, 1), outs, after - wait
 
@@ -221,13 +225,29 @@ def profile_prefill(engine: Engine, prompts: torch.Tensor) -> None:
     from torch.profiler import ProfilerActivity, profile
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    # first unprofiled: each step's wall time as the host sees it, its kind and tokens, and the time to its end on
+    # the device (a sync after the step: the host's lead over the device shows as the difference)
+    sync()
+    ids = [engine.add_request(p, params) for p in prompts.tolist()]
+    rows, start, pending = [], time.perf_counter(), set(ids)
+    while pending:
+        t0 = time.perf_counter()
+        pending.difference_update(e.request_id for e in engine.step() if e.token_id is not None)
+        t1 = time.perf_counter()
+        sync()
+        kind = engine.scheduler._last_kind
+        rows.append(f"{kind} {(t1 - t0) * 1e3:.2f} ms host, +{(time.perf_counter() - t1) * 1e3:.2f} ms to the device's end")
+    while engine.has_unfinished():
+        engine.step()
+    tag(f"prefill steps unprofiled (a sync after each): {len(rows)} steps, {(time.perf_counter() - start) * 1e3:.1f} "
+        f"ms: " + "; ".join(rows))
     sync()
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        ids = [engine.add_request(p, params) for p in prompts.tolist()]
+        pending = {engine.add_request(p, params) for p in prompts.tolist()}
         steps = 0
-        while not all(engine.output(i).token_ids for i in ids):
-            engine.step()
+        while pending:
+            pending.difference_update(e.request_id for e in engine.step() if e.token_id is not None)
             steps += 1
         sync()
     wall = (time.perf_counter() - t0) * 1e3
@@ -238,6 +258,10 @@ def profile_prefill(engine: Engine, prompts: torch.Tensor) -> None:
     tag(f"prefill profile B={prompts.shape[0]}: {steps} steps, wall {wall:.2f} ms (profiled), device kernels "
         f"{gpu:.2f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    if os.environ.get("HYBRID_TRACE_DIR"):  # the profile's timeline (chrome://tracing, Perfetto)
+        path = Path(os.environ["HYBRID_TRACE_DIR"]) / f"prefill_B{prompts.shape[0]}.json"
+        prof.export_chrome_trace(str(path))
+        tag(f"trace: {path}")
     kernel_table(events, 1, limit=40)
 
 

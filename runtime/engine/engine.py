@@ -490,8 +490,8 @@ class Engine:
         if not ids:
             raise ValueError(f"{where}: empty prompt, give at least one token")
         for what, toks in (("token ids", ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in toks if not 0 <= t < self.vocab_size]
-            if bad:
+            if toks and (min(toks) < 0 or max(toks) >= self.vocab_size):
+                bad = [t for t in toks if not 0 <= t < self.vocab_size]
                 raise ValueError(f"{where}: {what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if self.max_model_len is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"{where}: {len(ids)} prompt tokens + max_tokens ({params.max_tokens}) exceeds the "

@@ -12,6 +12,8 @@ as nano-vllm and vLLM do; prefills stay uncaptured.
 """
 from __future__ import annotations
 
+import array
+
 import inspect
 import time
 from dataclasses import dataclass
@@ -177,7 +179,7 @@ class ModelRunner:
         into ``out`` (a graph's static input buffer) when given. ``device_ids`` (the ids a step running ahead
         takes from the step before, still on the device) then replace the first ids."""
         sizes = [len(x) for x in lists]
-        parts = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long) for x in lists]
+        parts = [x if isinstance(x, torch.Tensor) else _long_tensor(x) for x in lists]
         host = torch.cat(parts) if len(parts) > 1 else parts[0]
         if self.device.type != "cuda":
             return self._with_ids(list(host.split(sizes)), device_ids)
@@ -593,6 +595,14 @@ def _expand_kv_agrees(m, w: torch.Tensor) -> bool:
     tol = 1e-4 if w.dtype == torch.float32 else 2e-2
     return all(got.shape == want.shape and float((got.float() - want).abs().max()) <= tol * float(want.abs().max())
                for got, want in ((key, want_k), (value, want_v)))
+
+
+def _long_tensor(values: list[int]) -> torch.Tensor:
+    """A host int64 tensor of a list of ints. Long lists (a packed step's thousands of token ids) go through an
+    ``array``: about 3x faster than ``torch.tensor`` on a list, which converts element by element."""
+    if len(values) < 256:
+        return torch.tensor(values, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 
 def mla_split_arg(maps: dict[str, torch.Tensor]) -> tuple:
