@@ -139,6 +139,28 @@ def moe_parts(m: nn.Module) -> tuple[str, str] | None:
     return routers[0], ename
 
 
+def split_moe_layouts(m: nn.Module) -> list[tuple[str, str, str, str | None]]:
+    """(router child, gate-up child, down child, bias parameter) for each way ``m`` reads as an MoE block whose experts
+    are split over two modules of one 3-D ``weight`` each (JetMoE's ``input_linear`` [E, 2I | I, H] and
+    ``output_linear`` [E, H, I]) beside one router [E, H], with at most a bias [H] of its own (added after the sum);
+    [] otherwise. Both orders are listed where the shapes allow both (H = I): a probe of the live block decides."""
+    split = {n: dict(c.named_parameters()) for n, c in m.named_children()}
+    split = {n: ps["weight"] for n, ps in split.items() if list(ps) == ["weight"] and ps["weight"].dim() == 3}
+    own = dict(m.named_parameters(recurse=False))
+    if len(split) != 2 or len(own) > 1:
+        return []
+    (a, wa), (b, wb) = split.items()
+    found = []
+    for up, wu, down, wd in ((a, wa, b, wb), (b, wb, a, wa)):
+        e, h, i = wd.shape
+        if wu.shape[0] != e or wu.shape[2] != h or wu.shape[1] not in (i, 2 * i):
+            continue
+        routers = [n for n, c in m.named_children() if n not in split and router_weight(c, e, h) is not None]
+        if len(routers) == 1 and all(tuple(p.shape) == (h,) for p in own.values()):
+            found.append((routers[0], up, down, next(iter(own), None)))
+    return found
+
+
 def is_moe_block(m: nn.Module) -> bool:
     return moe_parts(m) is not None
 

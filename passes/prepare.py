@@ -2,7 +2,7 @@
 can rewrite. A stage of its own, run before the pass pipeline: by the backend on each graph (``prepare_graph``) and
 by the engine on its model before it compiles (``prepare_model``).
 
-Two changes, both made at most once per process and both exact (same math as HF's code):
+The changes, each made at most once per process and each exact (same math as HF's code):
 
 1. Experts with ``config._experts_implementation == "eager"``: HF's eager experts loop over ``nonzero()`` and dynamo
    breaks the graph inside every MoE block, so no graph holds a whole block. hybrid registers its own experts
@@ -27,6 +27,13 @@ Two changes, both made at most once per process and both exact (same math as HF'
    agree are taken) and the live mixer is run with and without the replacement. The wrapper calls HF's function
    when running eagerly and the opaque op while dynamo traces; a mixer that fails a proof keeps HF's functions and
    the delta pass reports why.
+4. MoE blocks whose experts are split over two modules of one 3-D weight each (gate-up [E, 2I | I, H], down
+   [E, H, I]) beside a router [E, H], optionally with a bias [H] after the sum (``graphs.modules.split_moe_layouts``;
+   JetMoE's MLP): their forward leaves dynamo's graph (``tolist`` of the expert sizes), so graphs show only the
+   experts modules. On their first sight every live block is looked up and each class planned: routing, gate-up
+   layout and activation proven on a probe of the live block against ``hybrid::moe_block``, for all blocks of the
+   class or for none (the reason goes to the report). The class's ``forward`` is wrapped: a block with a plan runs
+   ``hybrid::moe_block_rt`` (plus its bias), eagerly too; any other block runs HF's code. One retrace.
 """
 from __future__ import annotations
 
@@ -34,14 +41,16 @@ import functools
 import gc
 import sys
 import warnings
+import weakref
 
 import torch
 
-from graphs.modules import experts_weights, is_delta_mixer, is_mamba1_mixer
+from graphs.modules import experts_weights, is_delta_mixer, is_mamba1_mixer, router_linear, split_moe_layouts
+from hybrid_kernels.moe.spec import ExpertsSpec, MoESpec, MoEWeights, RouteSpec
 from hybrid_kernels.numerics import close
 
-from .base import PassContext, Skip
-from .probes import identify_experts
+from .base import PassContext, Skip, eager_probe
+from .probes import identify_activation, identify_experts
 
 EXPERTS_NAME = "hybrid"
 SCAN_NAME = "mamba_selective_scan"
@@ -317,11 +326,236 @@ def _adopt_delta_rules(ctx: PassContext) -> str:
             "call they run as hybrid::delta_rule (one recompile, then one graph for every length)")
 
 
+# -- 4. MoE blocks with experts split over two modules ------------------------------------------------------------
+#: the name of a block's plan (``_plan_split_moe``): read by the class's wrapped forward
+SPLIT_PLAN = "_hybrid_split_moe"
+#: block class -> why its blocks run as HF wrote them
+SPLIT_MOE_REFUSED: dict[type, str] = {}
+
+
+def _attr_path(root: torch.nn.Module, target: torch.nn.Module) -> str:
+    return next(n for n, m in root.named_modules() if m is target)
+
+
+def _follow(root, path: str):
+    for part in path.split(".") if path else ():
+        root = getattr(root, part)
+    return root
+
+
+def _split_moe_weights(block, plan) -> MoEWeights:
+    router, up, down = (_follow(block, path) for path in plan[:3])
+    return MoEWeights(router.weight, getattr(router, "bias", None), None, up.weight, down.weight)
+
+
+def _run_split_moe(block, plan, x: torch.Tensor, op) -> torch.Tensor:
+    """``block``'s output through ``op`` (``hybrid::moe_block`` or its run-time twin), the block's bias added after."""
+    out = op(*plan[4].block_args(x, _split_moe_weights(block, plan)))
+    return out if plan[3] is None else out + getattr(block, plan[3])
+
+
+def _wrap_split_moe(original):
+    @functools.wraps(original)
+    def hybrid_split_moe_forward(self, hidden_states, *args, **kwargs):
+        plan = getattr(self, SPLIT_PLAN, None)
+        if plan is None or args or kwargs:
+            return original(self, hidden_states, *args, **kwargs)
+        # the run-time twin: opaque to dynamo, so the token count never becomes a guard
+        return _run_split_moe(self, plan, hidden_states, torch.ops.hybrid.moe_block_rt)
+    hybrid_split_moe_forward._hybrid_original = original
+    return hybrid_split_moe_forward
+
+
+def _plan_split_moe(block: torch.nn.Module) -> tuple:
+    """The plan (router path, gate-up path, down path, bias name, MoESpec) under which ``hybrid::moe_block`` computes
+    ``block``'s forward, proven on a probe of the live block against each layout, routing and activation a split
+    block can have; Skip with the reason when none agrees."""
+    from .moe import _probe_input
+    original = getattr(type(block).forward, "_hybrid_original", type(block).forward)
+    layouts = split_moe_layouts(block)
+    last = "no layout"
+    for router_name, up, down, bias in layouts:
+        wd = getattr(block, down).weight
+        e, h = wd.shape[0], wd.shape[1]
+        router = router_linear(getattr(block, router_name), e, h)
+        top_k = next((int(k) for k in (getattr(o, a, None) for o in (getattr(block, router_name), block)
+                                        for a in ("top_k", "num_experts_per_tok")) if isinstance(k, int)), None)
+        if top_k is None:
+            raise Skip("a split MoE block with no top_k attribute on its router or itself")
+        x = _probe_input(router.weight, 12, 0, top_k)[None]
+        try:
+            with eager_probe():
+                want = original(block, x)
+        except Exception as exc:  # noqa: BLE001  (a block called another way, e.g. JetMoE's attention experts)
+            raise Skip(f"the block's forward does not run on hidden states alone ({type(exc).__name__}: "
+                       f"{' '.join(str(exc).split())[:120]})") from None
+        if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+            raise Skip("the block does not return one tensor of its input's shape")
+        act = getattr(block, "activation", None) or getattr(block, "act_fn", None)
+        if act is None:
+            raise Skip("a split MoE block with no activation module (activation / act_fn)")
+        activation = identify_activation(act)
+        gated = getattr(block, up).weight.shape[1] == 2 * wd.shape[2]
+        paths = (_attr_path(block, router), up, down)
+        for method, renorm in (("topk_softmax", False), ("softmax_topk", True), ("softmax_topk", False)):
+            for interleaved in (False, True) if gated else (False,):
+                spec = MoESpec(RouteSpec(method, top_k, renorm), ExpertsSpec(gated, interleaved, activation))
+                plan = (*paths, bias, spec)
+                with eager_probe():
+                    got = _run_split_moe(block, plan, x, torch.ops.hybrid.moe_block)
+                ok, last = close(got, want, x.dtype, tol=1e-4 if x.dtype == torch.float32 else 3e-2)
+                if ok:
+                    return plan
+    raise Skip(f"a split MoE block that no routing and activation hybrid knows reproduces ({last})")
+
+
+def install_split_moe(cls: type, plans: dict) -> bool:
+    """Wrap ``cls.forward`` (once) and give each block of ``plans`` {block: plan} its plan; True when newly wrapped."""
+    for block, plan in plans.items():
+        setattr(block, SPLIT_PLAN, plan)
+    if hasattr(cls.forward, "_hybrid_original"):
+        return False
+    cls.forward = _wrap_split_moe(cls.forward)
+    return True
+
+
+#: split experts module -> its block, for every block of a class looked up (``_find_split_blocks``)
+_BLOCK_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: block -> its name in the outermost HF model that holds it (the graphs' module paths start where a graph break
+#: resumed)
+_PATH_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: split experts modules a lookup has seen (with a block or without one): not looked up again
+_LOOKED_UP: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _is_split_expert(m: torch.nn.Module) -> bool:
+    params = dict(m.named_parameters())
+    return list(params) == ["weight"] and params["weight"].dim() == 3
+
+
+def _find_split_blocks() -> dict[type, list]:
+    """Every live module with a split MoE layout, by class; their experts modules recorded in ``_BLOCK_OF``. A block's
+    forward leaves dynamo's graph (JetMoE's ``tolist``), so graphs show its experts modules, never the block."""
+    found: dict[type, list] = {}
+    roots = []
+    with warnings.catch_warnings():  # touching every live object trips deprecation shims (torch.distributed)
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if not isinstance(o, torch.nn.Module):
+                    continue
+                if hasattr(o, "config") and hasattr(o, "base_model_prefix"):  # an HF model: names its blocks
+                    roots.append(o)
+                if not split_moe_layouts(o):
+                    continue
+            except ReferenceError:
+                continue
+            found.setdefault(type(o), []).append(o)
+            for child in o.children():
+                if _is_split_expert(child):
+                    _BLOCK_OF[child] = o
+    blocks = {b for bs in found.values() for b in bs}
+    for root in roots:  # the longest name wins: the outermost model's (model.layers.0.mlp, not layers.0.mlp)
+        for name, m in root.named_modules():
+            if m in blocks and len(name) > len(_PATH_OF.get(m, "")):
+                _PATH_OF[m] = name
+    return found
+
+
+def plan_split_moe_class(blocks: list) -> tuple[dict, str | None]:
+    """Plans for ``blocks`` (all of one class), or ({}, why) when one of them has none: a class runs hybrid's op in
+    every block or in none."""
+    plans = {}
+    for block in blocks:
+        try:
+            plans[block] = _plan_split_moe(block)
+        except Skip as e:
+            return {}, str(e)
+    return plans, None
+
+
+def _adopt_split_moe(ctx: PassContext) -> str:
+    """Split MoE blocks (``split_moe_layouts``) behind this graph: their regions for the report (a block with a plan
+    is in the graph whole; one without shows only its experts modules); on the first sight of such experts, every
+    live block is looked up and each class planned: all of its blocks, or none. Planned classes get the wrapped
+    forward before one retrace."""
+    from .base import DETECTED as DETECTED_SPLIT, REWRITTEN, SKIPPED, RegionResult
+    blocks: dict[str, tuple[torch.nn.Module, str]] = {}  # path in this graph -> (block, class name)
+    unseen = []
+    for rec in ctx.index:
+        m = rec.module
+        if m is None:
+            continue
+        if split_moe_layouts(m):
+            blocks.setdefault(rec.path, (m, rec.cls))
+        elif _is_split_expert(m):
+            if m in _BLOCK_OF:
+                block = _BLOCK_OF[m]
+                blocks.setdefault(rec.path.rpartition(".")[0], (block, type(block).__name__))
+            elif m not in _LOOKED_UP:
+                unseen.append(m)
+    notes = []
+    if unseen:
+        found_blocks = _find_split_blocks()
+        _LOOKED_UP.update(unseen)
+        for cls, found in found_blocks.items():
+            pending = [b for b in found if getattr(b, SPLIT_PLAN, None) is None]
+            if not pending or cls in SPLIT_MOE_REFUSED:
+                continue
+            plans, why = plan_split_moe_class(pending)
+            if why is not None:
+                SPLIT_MOE_REFUSED[cls] = why
+                continue
+            ctx.before_retrace.append(functools.partial(install_split_moe, cls, plans))
+            ctx.retrace = True
+            notes.append(f"{len(plans)} {cls.__name__} blocks (experts split over two modules) leave dynamo's graph: "
+                         "from the next call each runs as hybrid::moe_block (one recompile)")
+        for rec in ctx.index:  # the blocks behind this graph's experts modules, now looked up
+            if rec.module is not None and rec.module in _BLOCK_OF:
+                block = _BLOCK_OF[rec.module]
+                blocks.setdefault(rec.path.rpartition(".")[0], (block, type(block).__name__))
+    planned = {id(b) for p in ctx.before_retrace if isinstance(p, functools.partial) and p.func is install_split_moe
+               for b in p.args[1]}
+    named = {}
+    for path, (block, _) in blocks.items():
+        named.setdefault(_PATH_OF.get(block, path), block)
+    for path, block in sorted(named.items()):
+        plan, cls_name = getattr(block, SPLIT_PLAN, None), type(block).__name__
+        if plan is not None:
+            ctx.results.append(RegionResult("moe", path, cls_name, REWRITTEN, f"{plan[4].describe()}, experts split "
+                                            "over two modules (the block's forward replaced)", ctx.graph_id))
+        elif type(block) in SPLIT_MOE_REFUSED:
+            ctx.results.append(RegionResult("moe", path, cls_name, SKIPPED, SPLIT_MOE_REFUSED[type(block)],
+                                            ctx.graph_id))
+        elif id(block) in planned:
+            ctx.results.append(RegionResult("moe", path, cls_name, DETECTED_SPLIT, "experts split over two modules: "
+                                            "planned, the next call runs hybrid::moe_block", ctx.graph_id))
+    return "; ".join(notes)
+
+
+def prepare_split_moe(model: torch.nn.Module) -> int:
+    """The engine's preparation of split MoE blocks before it compiles: every class planned, wrapped where all its
+    blocks have plans; returns the classes newly wrapped."""
+    by_class: dict[type, list] = {}
+    for m in model.modules():
+        if split_moe_layouts(m) and getattr(m, SPLIT_PLAN, None) is None:
+            by_class.setdefault(type(m), []).append(m)
+    done = 0
+    for cls, blocks in by_class.items():
+        plans, why = plan_split_moe_class(blocks)
+        if why is None:
+            done += install_split_moe(cls, plans)
+        else:
+            SPLIT_MOE_REFUSED[cls] = why
+    return done
+
+
 # -- the stage ----------------------------------------------------------------------------------------------------
 def prepare_graph(ctx: PassContext) -> list[str]:
     """The preparation a graph calls for (run by the backend before the passes); returns its graph notes."""
     import hybrid_kernels  # noqa: F401  (registers the run-time twins the changes call)
-    return [note for note in (_adopt_eager_experts(ctx), _adopt_mamba1_scans(ctx), _adopt_delta_rules(ctx)) if note]
+    return [note for note in (_adopt_eager_experts(ctx), _adopt_mamba1_scans(ctx), _adopt_delta_rules(ctx),
+                              _adopt_split_moe(ctx)) if note]
 
 
 def prepare_model(model: torch.nn.Module) -> int:
@@ -329,4 +563,5 @@ def prepare_model(model: torch.nn.Module) -> int:
     import hybrid_kernels  # noqa: F401
     classes = {type(m) for m in model.modules() if is_mamba1_mixer(m)}
     mixers = {type(m): m for m in model.modules() if is_delta_mixer(m)}
-    return sum(install_scan(c) for c in classes) + sum(install_delta(m) for m in mixers.values())
+    return (sum(install_scan(c) for c in classes) + sum(install_delta(m) for m in mixers.values())
+            + prepare_split_moe(model))

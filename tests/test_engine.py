@@ -630,11 +630,12 @@ def test_ssm_rows_limit_admission_and_compact():
         assert out.token_ids == hf_greedy(name, p, sp.max_tokens)
 
 
-@pytest.mark.parametrize("name", ["mamba2", "bamba"])
+@pytest.mark.parametrize("name", ["mamba2"])
 def test_ssm_prompts_prefill_in_chunks(name):
-    """Mixers that continue from HF's cached states (Mamba2, Bamba's): long prompts are prefilled in chunks of
-    max_prefill_tokens, each chunk after the first continuing from the sequence's state row (the SSM pass's
-    hybrid::mamba2_mixer_chunk); greedy tokens equal HF generate's with the prompt in one piece."""
+    """Mixers that continue from HF's cached states (Mamba2; Bamba's mixer chunks in the tests of chunks sharing steps
+    and of decodes between chunks): long prompts are prefilled in chunks of max_prefill_tokens, each chunk after the
+    first continuing from the sequence's state row (the SSM pass's hybrid::mamba2_mixer_chunk); greedy tokens equal HF
+    generate's with the prompt in one piece."""
     engine = Engine(zoo.build(name), compile="hybrid-eager", max_prefill_tokens=4, packed_steps=False)
     assert engine.prefill_note is None and engine.scheduler.chunked_prefill
     prompts = [list(range(10, 29)), [5, 6, 7], list(range(30, 41))]

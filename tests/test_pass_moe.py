@@ -241,3 +241,50 @@ def test_probe_tokens_clear_top_k_near_ties():
     assert sum(flips(_probe_input(w, 96, seed)) for seed in range(5)) > 0  # the hazard is real without the choice
     assert all(flips(_probe_input(w, 96, seed, top_k=8)) == 0 for seed in range(5))
     assert _probe_input(w, 12, 0, top_k=8).shape == (12, 512)
+
+
+def _jetmoe(**overrides):
+    cfg = transformers.AutoConfig.for_model("jetmoe", **{**_TINY, "num_key_value_heads": 4, "kv_channels": 16,
+                                                         "intermediate_size": 32, "num_local_experts": 6,
+                                                         "num_experts_per_tok": 2, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    zoo._randomize_zero_init(model, 0)
+    return model
+
+
+def test_experts_split_over_two_modules_rewritten():
+    """JetMoE's MLP block: experts split over two modules of one 3-D weight each (gate-up [E, 2I, H], down
+    [E, H, I]), a block bias after the sum, a forward that leaves dynamo's graph (``tolist``). Planned by signature
+    and proven on the live block, it runs as hybrid::moe_block; its attention experts (same signature, a forward
+    that cannot be called on hidden states) are left with the reason."""
+    from passes.prepare import SPLIT_PLAN
+    model = _jetmoe()
+    ids = prompt(model, 2, 7)
+    statuses = moe_statuses(model, ids)
+    want = "topk_softmax, top-2, silu, experts split over two modules (the block's forward replaced)"
+    assert statuses["model.layers.0.mlp"] == ("rewritten", want), statuses
+    moa = statuses["model.layers.0.self_attention.experts"]
+    assert moa[0] == "skipped" and "does not run on hidden states alone" in moa[1], moa
+    assert all(getattr(layer.mlp, SPLIT_PLAN, None) is not None for layer in model.model.layers)
+    with torch.profiler.profile() as prof:  # the op runs where the blocks were (not only at trace time)
+        assert eager_vs_hybrid(model, ids) < 1e-5
+    assert sum(e.count for e in prof.key_averages() if e.key == "hybrid::moe_block_rt") >= 2
+
+
+def test_split_experts_block_that_computes_otherwise_must_not_fire():
+    """A block of the same signature whose forward scales the experts' sum: no routing and activation reproduces it,
+    and it runs as written."""
+    model = _jetmoe()
+    base = type(model.model.layers[0].mlp)
+
+    class Scaled(base):
+        def forward(self, layer_input):
+            return super().forward(layer_input) * 1.5
+
+    for layer in model.model.layers:
+        layer.mlp.__class__ = Scaled
+    ids = prompt(model, 2, 7)
+    status, reason = moe_statuses(model, ids)["model.layers.0.mlp"]
+    assert status == "skipped" and "no routing and activation hybrid knows reproduces" in reason, reason
+    assert eager_vs_hybrid(model, ids) < 1e-5
