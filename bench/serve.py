@@ -133,7 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-mb", type=int, default=4096)
     ap.add_argument("--compile", default="auto")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--start-timeout", type=float, default=900,
+                    help="seconds to wait for the server's /health (its warm-up compiles every call kind first: "
+                         "a realistic shape on the H100 took more than 300 s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-packed-steps", action="store_true",
                     help="the server's prefills in padded steps (the baseline of packed steps under load)")
