@@ -65,7 +65,7 @@ def token_ids(where: str, values) -> list[int]:
     if isinstance(values, (str, bytes, bytearray, dict, set)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{where} must be a list of token ids, got {type(values).__name__}")
     ids = list(values)
-    if all(type(t) is int for t in ids):  # the common case, checked at about 30 ns a token (a prompt of 32K: 1 ms)
+    if all(type(t) is int for t in ids):  # the common case: one type check a token, no conversion
         return ids
     for t in ids:
         if not _is_int(t):
